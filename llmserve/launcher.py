@@ -1,0 +1,106 @@
+"""Starts the three services (worker, engine core, frontend) as local processes."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.config import EngineConfig, engine_args_to_argv
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM if we die, so no
+    service outlives the launcher, even one killed with SIGKILL."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path | None
+    address: str = ""
+
+
+@dataclass
+class LocalStack:
+    """worker -> engine core -> frontend, each in its own process, on loopback.
+
+    Internal services listen on free ports; the frontend on `port` (0: a free one).
+    Logs go to the terminal, or to files in `log_dir` when it is given.
+    """
+
+    config: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051
+    log_dir: str | None = None
+    env: dict[str, str] | None = None
+    services: list[ServiceProcess] = field(default_factory=list)
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Starts every service and waits until each serves; returns the frontend address."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
+        deadline = time.monotonic() + timeout_s
+        try:
+            worker = self._spawn("worker", ["services.worker", "--host", "127.0.0.1"], 0, deadline)
+            engine = self._spawn("engine-core", [
+                "services.engine_core", "--host", "127.0.0.1",
+                "--worker-addresses", worker.address, *engine_args_to_argv(self.config)], 0, deadline)
+            frontend = self._spawn("frontend", [
+                "services.frontend", "--host", self.host, "--engine-core-address", engine.address,
+                "--model", self.config.model.model], self.port, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return frontend.address
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM in reverse start order, SIGKILL whatever is left after grace_s."""
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for service in reversed(self.services):
+            try:
+                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+                service.process.wait()
+        self.services.clear()
+
+    def __enter__(self) -> "LocalStack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, module_args: list[str], port: int,
+               deadline: float) -> ServiceProcess:
+        port_file = Path(self._tmp.name) / f"{name}.addr"
+        log_path = Path(self.log_dir) / f"{name}.log" if self.log_dir else None
+        out = open(log_path, "w") if log_path else None
+        process = subprocess.Popen(
+            [sys.executable, "-m", *module_args, "--port", str(port), "--port-file", str(port_file)],
+            stdout=out, stderr=subprocess.STDOUT if out else None,
+            env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent)
+        if out:
+            out.close()
+        service = ServiceProcess(name, process, log_path)
+        self.services.append(service)
+        while not port_file.exists():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {process.returncode} before serving"
+                                   + (f"; see {log_path}" if log_path else ""))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not start serving in time")
+            time.sleep(0.05)
+        service.address = port_file.read_text().strip()
+        return service

@@ -1,0 +1,78 @@
+"""Configuration dataclasses, one per concern, built from command-line flags."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ModelConfig:
+    """Which model to serve and how."""
+
+    model: str = DEFAULT_MODEL  # a known model name or an HF directory
+    dtype: str = "auto"  # "auto" picks bf16 where the CPU has it, else fp32
+    max_model_len: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30  # CPU: memory given to the KV cache
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one scheduler step."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for EngineConfig; read back with engine_config_from_args."""
+    d_model, d_cache, d_sched = ModelConfig(), CacheConfig(), SchedulerConfig()
+    parser.add_argument("--model", default=d_model.model,
+                        help="model name or HF directory (default: %(default)s)")
+    parser.add_argument("--dtype", default=d_model.dtype,
+                        choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=int, default=d_model.max_model_len)
+    parser.add_argument("--seed", type=int, default=d_model.seed)
+    parser.add_argument("--block-size", type=int, default=d_cache.block_size)
+    parser.add_argument("--kv-cache-gib", type=float, default=d_cache.kv_cache_bytes / (1 << 30),
+                        help="KV cache size on CPU, in GiB (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=d_sched.max_num_batched_tokens)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype,
+                          max_model_len=args.max_model_len, seed=args.seed),
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def engine_args_to_argv(config: EngineConfig) -> list[str]:
+    """The flags that rebuild `config` in another process."""
+    m, c, s = config.model, config.cache, config.scheduler
+    return ["--model", m.model, "--dtype", m.dtype, "--max-model-len", str(m.max_model_len),
+            "--seed", str(m.seed), "--block-size", str(c.block_size),
+            "--kv-cache-gib", repr(c.kv_cache_bytes / (1 << 30)),
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens)]

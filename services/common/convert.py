@@ -1,0 +1,138 @@
+"""Proto <-> dataclass conversion: the only place it happens."""
+from __future__ import annotations
+
+from services.common.config import CacheConfig, ModelConfig
+from services.common.pb import common_pb2, engine_core_pb2, worker_pb2
+from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
+                                           EngineStats, FinishReason, LoadedModel, SamplingParams)
+from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
+                                              NewRequestData, SchedulerOutput)
+
+# ---- sampling params -------------------------------------------------------------
+
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+
+
+def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Absent fields take SamplingParams' defaults."""
+    present = {name: getattr(pb, name) for name in _OPTIONAL_SAMPLING_FIELDS if pb.HasField(name)}
+    return SamplingParams(stop_token_ids=list(pb.stop_token_ids), **present)
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                                   top_p=params.top_p, top_k=params.top_k,
+                                   stop_token_ids=params.stop_token_ids,
+                                   ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        pb.seed = params.seed
+    return pb
+
+
+# ---- engine core -------------------------------------------------------------------
+
+def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.EngineCoreRequest:
+    return engine_core_pb2.EngineCoreRequest(
+        request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+        sampling_params=sampling_params_to_proto(r.sampling_params),
+        eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers)
+
+
+def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=pb.request_id,
+                             prompt_token_ids=list(pb.prompt_token_ids),
+                             sampling_params=sampling_params_from_proto(pb.sampling_params),
+                             eos_token_ids=list(pb.eos_token_ids),
+                             trace_headers=dict(pb.trace_headers))
+
+
+def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
+    pb = engine_core_pb2.EngineCoreOutput(request_id=o.request_id, new_token_ids=o.new_token_ids,
+                                          num_cached_tokens=o.num_cached_tokens)
+    if o.finish_reason is not None:
+        pb.finish_reason = int(o.finish_reason)
+    return pb
+
+
+def engine_core_output_from_proto(pb: engine_core_pb2.EngineCoreOutput) -> EngineCoreOutput:
+    reason = FinishReason(pb.finish_reason) if pb.HasField("finish_reason") else None
+    return EngineCoreOutput(request_id=pb.request_id, new_token_ids=list(pb.new_token_ids),
+                            finish_reason=reason, num_cached_tokens=pb.num_cached_tokens)
+
+
+def engine_stats_to_proto(s: EngineStats) -> engine_core_pb2.EngineStats:
+    return engine_core_pb2.EngineStats(**vars(s))
+
+
+def engine_stats_from_proto(pb: engine_core_pb2.EngineStats) -> EngineStats:
+    return EngineStats(**{f: getattr(pb, f) for f in EngineStats.__dataclass_fields__})
+
+
+def engine_info_to_proto(i: EngineInfo) -> engine_core_pb2.EngineInfo:
+    return engine_core_pb2.EngineInfo(**vars(i))
+
+
+def engine_info_from_proto(pb: engine_core_pb2.EngineInfo) -> EngineInfo:
+    return EngineInfo(**{f: getattr(pb, f) for f in EngineInfo.__dataclass_fields__})
+
+
+# ---- worker ------------------------------------------------------------------------
+
+def load_model_request_to_proto(model: ModelConfig,
+                                cache: CacheConfig) -> worker_pb2.LoadModelRequest:
+    return worker_pb2.LoadModelRequest(model_path=model.model, dtype=model.dtype,
+                                       max_model_len=model.max_model_len,
+                                       block_size=cache.block_size,
+                                       kv_cache_bytes=cache.kv_cache_bytes, seed=model.seed)
+
+
+def load_model_request_from_proto(
+        pb: worker_pb2.LoadModelRequest) -> tuple[ModelConfig, CacheConfig]:
+    return (ModelConfig(model=pb.model_path, dtype=pb.dtype, max_model_len=pb.max_model_len,
+                        seed=pb.seed),
+            CacheConfig(block_size=pb.block_size, kv_cache_bytes=pb.kv_cache_bytes))
+
+
+def loaded_model_to_proto(m: LoadedModel) -> worker_pb2.LoadModelResponse:
+    return worker_pb2.LoadModelResponse(**vars(m))
+
+
+def loaded_model_from_proto(pb: worker_pb2.LoadModelResponse) -> LoadedModel:
+    return LoadedModel(vocab_size=pb.vocab_size, dtype=pb.dtype, kv_block_bytes=pb.kv_block_bytes)
+
+
+def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput:
+    return worker_pb2.SchedulerOutput(
+        new_requests=[worker_pb2.NewRequestData(
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(r.sampling_params),
+            block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
+            trace_headers=r.trace_headers) for r in so.new_requests],
+        cached_requests=[worker_pb2.CachedRequestData(
+            request_id=r.request_id, new_block_ids=r.new_block_ids,
+            num_computed_tokens=r.num_computed_tokens) for r in so.cached_requests],
+        num_scheduled_tokens=so.num_scheduled_tokens,
+        finished_request_ids=so.finished_request_ids)
+
+
+def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(
+        new_requests=[NewRequestData(
+            request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+            sampling_params=sampling_params_from_proto(r.sampling_params),
+            block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens,
+            trace_headers=dict(r.trace_headers)) for r in pb.new_requests],
+        cached_requests=[CachedRequestData(
+            request_id=r.request_id, new_block_ids=list(r.new_block_ids),
+            num_computed_tokens=r.num_computed_tokens) for r in pb.cached_requests],
+        num_scheduled_tokens=dict(pb.num_scheduled_tokens),
+        finished_request_ids=list(pb.finished_request_ids))
+
+
+def model_runner_output_to_proto(o: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
+    return worker_pb2.ModelRunnerOutput(request_ids=list(o.sampled_token_ids),
+                                        sampled_token_ids=list(o.sampled_token_ids.values()))
+
+
+def model_runner_output_from_proto(pb: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
+    return ModelRunnerOutput(dict(zip(pb.request_ids, pb.sampled_token_ids)))

@@ -1,0 +1,82 @@
+"""Domain errors, and the one interceptor that turns them into gRPC status codes."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+
+class LLMServeError(Exception):
+    """An error a caller can act on; `code` is the gRPC status it becomes."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(LLMServeError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class AlreadyExists(LLMServeError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(LLMServeError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(LLMServeError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def from_rpc_error(error: grpc.RpcError) -> LLMServeError:
+    """A remote service's status, re-raised as ours so it passes through unchanged."""
+    mapped = LLMServeError(error.details() or str(error.code()))
+    mapped.code = error.code()
+    return mapped
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Aborts the RPC with the status of any LLMServeError its handler raises."""
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream), handler.request_deserializer,
+                handler.response_serializer)
+        return handler
+
+
+def _wrap_unary(behavior):
+    async def wrapper(request, context: grpc.aio.ServicerContext):
+        try:
+            return await behavior(request, context)
+        except LLMServeError as e:
+            await context.abort(e.code, str(e))
+
+    return wrapper
+
+
+def _wrap_stream(behavior):
+    async def wrapper(request, context: grpc.aio.ServicerContext):
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except LLMServeError as e:
+            await context.abort(e.code, str(e))
+
+    return wrapper

@@ -1,0 +1,21 @@
+"""gRPC channel and server options, set explicitly in one place."""
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+_MESSAGE_LIMITS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+SERVER_OPTIONS = _MESSAGE_LIMITS + [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+CHANNEL_OPTIONS = _MESSAGE_LIMITS + [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]

@@ -1,0 +1,64 @@
+"""The step protocol between engine core and workers: a diff per step.
+
+Workers keep a persistent batch; each step the scheduler sends only what changed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.request_types import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen yet (or see again after preemption)."""
+
+    request_id: str
+    # NOTE: prompt plus any output tokens already generated; a request resumed
+    # after preemption recomputes all of them.
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    # Tokens whose KV is already cached (prefix cache hit).
+    num_computed_tokens: int
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CachedRequestData:
+    """A request scheduled in an earlier step too."""
+
+    request_id: str
+    # Blocks appended to the request's block table since its last step.
+    new_block_ids: list[int]
+    # Tokens whose KV is in the cache before this step.
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Tokens to compute this step, per request (new and cached).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Finished or aborted since the last step: workers drop their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and nothing for workers to drop."""
+        return not self.num_scheduled_tokens and not self.finished_request_ids
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step.
+
+    NOTE: a request whose prefill is not finished (a partial chunk) is absent.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)

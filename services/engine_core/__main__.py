@@ -1,0 +1,62 @@
+"""python -m services.engine_core: serve an engine core over gRPC, driving remote workers."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+
+from services.common import tracing
+from services.common.config import add_engine_args, engine_config_from_args
+from services.common.model_store import resolve_model
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.common.server import ServiceServer, setup_logging
+from services.engine_core.engine_core import EngineCore
+from services.engine_core.engine_loop import EngineLoop
+from services.engine_core.executor import GrpcExecutor
+from services.engine_core.servicer import EngineCoreServicer
+
+SERVICE_NAME = engine_core_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="llmserve engine-core", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    parser.add_argument("--port-file", help="write host:port here once serving")
+    parser.add_argument("--worker-addresses", required=True,
+                        help="comma-separated host:port of the workers, rank 0 first")
+    add_engine_args(parser)
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = engine_config_from_args(args)
+    config.model = dataclasses.replace(config.model, model=resolve_model(config.model.model))
+    executor = GrpcExecutor(args.worker_addresses.split(","))
+    await asyncio.to_thread(executor.wait_ready, 120.0)
+    core = await asyncio.to_thread(EngineCore, config, executor)
+    engine = EngineLoop(core)
+    servicer = EngineCoreServicer(engine)
+    server = ServiceServer(SERVICE_NAME,
+                           lambda s: engine_core_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))
+    await server.start(args.host, args.port, args.port_file)
+    try:
+        await server.serve_until_signal()
+    finally:
+        engine.shutdown()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup_logging("engine-core")
+    tracing.init_tracing("llmserve-engine-core")
+    try:
+        asyncio.run(serve(args))
+    finally:
+        tracing.shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""EngineCore: step = schedule -> execute on the workers -> update requests."""
+from __future__ import annotations
+
+import logging
+
+from services.common.config import EngineConfig
+from services.common.errors import InvalidArgument
+from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
+                                           EngineStats)
+from services.engine_core.executor import Executor
+from services.engine_core.request import Request
+from services.engine_core.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Transport-free engine: no threads, no gRPC. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, executor: Executor):
+        self.config = config
+        self.executor = executor
+        loaded = executor.load_model(config.model, config.cache)
+        num_blocks = executor.determine_num_kv_blocks()
+        executor.init_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache,
+                                   config.model.max_model_len, num_blocks)
+        self.info = EngineInfo(model_path=config.model.model,
+                               max_model_len=config.model.max_model_len,
+                               block_size=config.cache.block_size, num_kv_blocks=num_blocks,
+                               dtype=loaded.dtype, vocab_size=loaded.vocab_size)
+        self.num_steps = 0
+        self.num_scheduled_tokens_last_step = 0
+        logger.info("engine core ready: %d KV blocks of %d tokens, dtype %s",
+                    num_blocks, config.cache.block_size, loaded.dtype)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request; raises InvalidArgument/AlreadyExists if it cannot be."""
+        request.sampling_params.validate(self.info.vocab_size)
+        if any(not 0 <= t < self.info.vocab_size for t in request.prompt_token_ids):
+            raise InvalidArgument("prompt_token_ids",
+                                  f"ids must be in [0, {self.info.vocab_size})")
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Something for step() to do: requests to run or finished ones to report."""
+        return self.scheduler.has_work()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        self.num_steps += 1
+        self.num_scheduled_tokens_last_step = scheduler_output.total_num_scheduled_tokens
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache_manager
+        return EngineStats(num_running=len(self.scheduler.running),
+                           num_waiting=len(self.scheduler.waiting),
+                           num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks,
+                           num_steps=self.num_steps,
+                           num_scheduled_tokens_last_step=self.num_scheduled_tokens_last_step)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,144 @@
+"""EngineLoop: runs an EngineCore in a busy-loop thread and streams outputs to asyncio.
+
+The thread owns the EngineCore; other threads talk to it only through the inbox.
+It blocks on the inbox when there is no work, and otherwise steps as fast as the
+workers go, taking new requests and aborts between steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from services.common.errors import LLMServeError, Unavailable
+from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
+from services.engine_core.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _OutputStream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # of EngineCoreOutput, or an exception that ends the stream
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _OutputStream] = {}  # touched by the loop thread only
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-core-loop", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ------------------------------------------------------------
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Adds the request and yields its outputs; leaving early aborts it."""
+        stream = _OutputStream(asyncio.get_running_loop(), asyncio.Queue())
+        await self._call(lambda: self._add(request, stream))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._inbox.put(lambda: self._abort([request.request_id]))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._call(lambda: self._abort(request_ids))
+
+    def stats(self) -> EngineStats:
+        # Plain reads of counters the loop thread updates; no lock needed.
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self._inbox.put(self._stop)
+        self._thread.join(timeout=30)
+        self.core.shutdown()
+
+    async def _call(self, fn: Callable[[], object]) -> object:
+        """Runs fn on the loop thread between steps and returns its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+        self._inbox.put(run)
+        return await asyncio.wrap_future(future)
+
+    # ---- loop thread -------------------------------------------------------------
+
+    def _add(self, request: EngineCoreRequest, stream: _OutputStream) -> None:
+        self.core.add_request(request)
+        self._streams[request.request_id] = stream
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self._dispatch(self.core.abort_requests(request_ids))
+
+    def _stop(self) -> None:
+        self._stopped = True
+
+    def _run(self) -> None:
+        while not self._stopped:
+            # Block only when idle; otherwise take whatever arrived and step.
+            block = not self.core.has_work()
+            try:
+                self._inbox.get(block=block)()
+                while True:
+                    self._inbox.get_nowait()()
+            except queue.Empty:
+                pass
+            if self._stopped or not self.core.has_work():
+                continue
+            try:
+                self._dispatch(self.core.step())
+            except Exception as e:  # a dead worker: fail every live request
+                logger.exception("engine step failed; failing all live requests")
+                self._fail_all(e)
+
+    def _fail_all(self, error: Exception) -> None:
+        self.core.abort_requests(list(self._streams))
+        wrapped = error if isinstance(error, LLMServeError) else Unavailable(
+            f"the engine core's workers failed: {error}")
+        for stream in self._streams.values():
+            _call_soon(stream.loop, stream.queue.put_nowait, wrapped)
+        self._streams.clear()
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        """Hands outputs to their streams, one wake-up per event loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineCoreOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed: nobody is listening any more
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, EngineCoreOutput]]) -> None:
+    for q, output in items:
+        q.put_nowait(output)
+

@@ -1,0 +1,93 @@
+"""Executors: how the engine core reaches its workers (in this process, or over gRPC)."""
+from __future__ import annotations
+
+import abc
+import grpc
+
+from services.common import convert
+from services.common.config import CacheConfig, ModelConfig
+from services.common.grpc_options import CHANNEL_OPTIONS
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.request_types import LoadedModel
+from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(abc.ABC):
+    """Runs each step on every worker and returns rank 0's result."""
+
+    @abc.abstractmethod
+    def load_model(self, model_config: ModelConfig, cache_config: CacheConfig) -> LoadedModel: ...
+
+    @abc.abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """The number of KV blocks every worker can hold."""
+
+    @abc.abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InprocExecutor(Executor):
+    """Calls Worker objects living in this process."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def load_model(self, model_config, cache_config):
+        return [w.load_model(model_config, cache_config) for w in self.workers][0]
+
+    def determine_num_kv_blocks(self):
+        return min(w.determine_num_kv_blocks() for w in self.workers)
+
+    def init_kv_cache(self, num_blocks):
+        for w in self.workers:
+            w.init_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output):
+        outputs = [w.execute_model(scheduler_output) for w in self.workers]
+        return outputs[0]
+
+
+class GrpcExecutor(Executor):
+    """Talks to remote worker processes; each step goes to every worker."""
+
+    def __init__(self, addresses: list[str], rpc_timeout_s: float = 600.0):
+        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
+        self.rpc_timeout_s = rpc_timeout_s
+
+    def wait_ready(self, timeout_s: float) -> None:
+        for channel in self.channels:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+
+    def _call_all(self, method: str, request):
+        futures = [getattr(stub, method).future(request, timeout=self.rpc_timeout_s)
+                   for stub in self.stubs]
+        return [f.result() for f in futures]
+
+    def load_model(self, model_config, cache_config):
+        responses = self._call_all("LoadModel", convert.load_model_request_to_proto(
+            model_config, cache_config))
+        return convert.loaded_model_from_proto(responses[0])
+
+    def determine_num_kv_blocks(self):
+        responses = self._call_all("DetermineNumKvBlocks",
+                                   worker_pb2.DetermineNumKvBlocksRequest())
+        return min(r.num_blocks for r in responses)
+
+    def init_kv_cache(self, num_blocks):
+        self._call_all("InitKvCache", worker_pb2.InitKvCacheRequest(num_blocks=num_blocks))
+
+    def execute_model(self, scheduler_output):
+        responses = self._call_all("ExecuteModel",
+                                   convert.scheduler_output_to_proto(scheduler_output))
+        return convert.model_runner_output_from_proto(responses[0])
+
+    def shutdown(self):
+        for channel in self.channels:
+            channel.close()

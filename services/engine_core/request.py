@@ -1,0 +1,75 @@
+"""Request: the engine core's state of one request."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV cache dropped, to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Tokens whose KV is in the cache (or is being computed by the current step).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache when first scheduled.
+    num_cached_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    # NOTE: always prompt_token_ids + output_token_ids, kept to avoid a copy per step.
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
+        return cls(request_id=request.request_id,
+                   prompt_token_ids=list(request.prompt_token_ids),
+                   sampling_params=request.sampling_params,
+                   eos_token_ids=frozenset(request.eos_token_ids),
+                   trace_headers=dict(request.trace_headers))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def stop_reason_after_last_token(self, max_model_len: int) -> FinishReason | None:
+        """The finish reason the newest output token triggers, if any."""
+        token = self.output_token_ids[-1]
+        params = self.sampling_params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,171 @@
+"""Scheduler: one token budget per step, running requests first, then waiting ones.
+
+There are no prefill and decode phases (as in vLLM v1): each request is given
+num_tokens - num_computed_tokens more tokens, capped by what the budget has left,
+so a long prompt is prefilled in chunks across steps while decodes go on.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from services.common.config import CacheConfig, SchedulerConfig
+from services.common.errors import AlreadyExists, InvalidArgument
+from services.common.request_types import EngineCoreOutput, FinishReason
+from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
+                                              NewRequestData, SchedulerOutput)
+from services.engine_core.kv_cache_manager import KVCacheManager, cdiv
+from services.engine_core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 max_model_len: int, num_kv_blocks: int):
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): sent to workers so they drop state.
+        self.finished_request_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise AlreadyExists(f"request id {request.request_id!r} is already running")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise InvalidArgument("prompt", "is empty")
+        if num_prompt >= self.max_model_len:
+            raise InvalidArgument(
+                "prompt", f"has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one generated token")
+        blocks_needed = cdiv(num_prompt + 1, self.kv_cache_manager.block_size)
+        if blocks_needed > self.kv_cache_manager.num_blocks:
+            raise InvalidArgument(
+                "prompt", f"needs {blocks_needed} KV cache blocks but the cache has only "
+                f"{self.kv_cache_manager.num_blocks}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Finishes the given live requests as aborted; unknown ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT,
+                                            request.num_cached_tokens))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones the workers have not been told of."""
+        return bool(self.requests or self.finished_request_ids)
+
+    # ---- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput(finished_request_ids=sorted(self.finished_request_ids))
+        self.finished_request_ids.clear()
+        budget = self.config.max_num_batched_tokens
+        preempted_this_step = False
+
+        # Running requests first, in admission order; when blocks run out the
+        # most recently admitted one is preempted.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_this_step = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            output.cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            output.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Then waiting ones (preempted ones were put at the front), unless this
+        # step already had to preempt: then there is no room to admit more.
+        while (self.waiting and budget > 0 and not preempted_this_step
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            output.new_requests.append(NewRequestData(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.all_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+                trace_headers=request.trace_headers))
+            output.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, applies stop conditions, frees finished requests."""
+        outputs = []
+        finished = False
+        for request_id in scheduler_output.num_scheduled_tokens:
+            token_id = runner_output.sampled_token_ids.get(request_id)
+            request = self.requests.get(request_id)
+            if token_id is None or request is None:  # partial prefill, or aborted since
+                continue
+            request.append_output_token(token_id)
+            reason = request.stop_reason_after_last_token(self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+                finished = True
+            outputs.append(EngineCoreOutput(request_id, [token_id], reason,
+                                            request.num_cached_tokens))
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    # ---- internals -------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        logger.info("preempted request %s (%d tokens) to free KV blocks",
+                    request.request_id, request.num_tokens)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_request_ids.add(request.request_id)

@@ -1,0 +1,37 @@
+"""EngineCoreServicer: the EngineLoop over gRPC (convert, call, convert back)."""
+from __future__ import annotations
+
+from services.common import convert, tracing
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.engine_core.engine_loop import EngineLoop
+
+_tracer = tracing.tracer(__name__)
+
+
+class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
+    def __init__(self, engine: EngineLoop):
+        self.engine = engine
+
+    async def Generate(self, request, context):
+        parent = tracing.context_from_metadata(context.invocation_metadata())
+        with _tracer.start_as_current_span(
+                "engine_core.request", context=parent,
+                attributes={"gen_ai.request.id": request.request_id}) as span:
+            engine_request = convert.engine_core_request_from_proto(request)
+            # The steps that serve this request link to this span.
+            engine_request.trace_headers = tracing.current_trace_headers()
+            num_tokens = 0
+            async for output in self.engine.generate(engine_request):
+                num_tokens += len(output.new_token_ids)
+                yield convert.engine_core_output_to_proto(output)
+            span.set_attribute("gen_ai.usage.completion_tokens", num_tokens)
+
+    async def Abort(self, request, context):
+        await self.engine.abort(list(request.request_ids))
+        return engine_core_pb2.AbortResponse()
+
+    async def GetStats(self, request, context):
+        return convert.engine_stats_to_proto(self.engine.stats())
+
+    async def GetEngineInfo(self, request, context):
+        return convert.engine_info_to_proto(self.engine.core.info)

@@ -1,0 +1,75 @@
+"""python -m services.frontend: serve the public Inference API over gRPC."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from services.common import tracing
+from services.common.config import DEFAULT_MODEL
+from services.common.model_store import resolve_model
+from services.common.pb import inference_pb2, inference_pb2_grpc
+from services.common.server import ServiceServer, setup_logging
+from services.frontend.engine_client import EngineClient, GrpcEngineClient
+from services.frontend.processor import Processor
+from services.frontend.servicer import InferenceServicer
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="llmserve frontend", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--port-file", help="write host:port here once serving")
+    parser.add_argument("--engine-core-address", required=True, help="host:port")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model name or HF directory, for the tokenizer")
+    return parser.parse_args(argv)
+
+
+def load_tokenizer(model_dir: str):
+    """The tokenizer and the token ids that end generation."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if os.path.exists(os.path.join(model_dir, "generation_config.json")):
+        configured = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        eos.update(configured if isinstance(configured, list) else
+                   [] if configured is None else [configured])
+    return tokenizer, sorted(eos)
+
+
+async def build_servicer(engine: EngineClient, model: str) -> InferenceServicer:
+    model_dir = resolve_model(model)
+    tokenizer, eos_token_ids = load_tokenizer(model_dir)
+    processor = Processor(tokenizer, await engine.get_info(), eos_token_ids)
+    return InferenceServicer(processor, engine, os.path.basename(model_dir.rstrip("/")))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine = GrpcEngineClient(args.engine_core_address)
+    await engine.wait_ready(120.0)
+    servicer = await build_servicer(engine, args.model)
+    server = ServiceServer(SERVICE_NAME,
+                           lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s))
+    await server.start(args.host, args.port, args.port_file)
+    try:
+        await server.serve_until_signal()
+    finally:
+        await engine.close()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup_logging("frontend")
+    tracing.init_tracing("llmserve-frontend")
+    try:
+        asyncio.run(serve(args))
+    finally:
+        tracing.shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""EngineClient: how the frontend reaches an engine core (in this process, or over gRPC)."""
+from __future__ import annotations
+
+import abc
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+
+from services.common import convert, tracing
+from services.common.errors import Unavailable, from_rpc_error
+from services.common.grpc_options import CHANNEL_OPTIONS
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
+                                           EngineStats)
+from services.engine_core.engine_loop import EngineLoop
+
+
+class EngineClient(abc.ABC):
+    @abc.abstractmethod
+    def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Streams the request's outputs; closing the iterator early aborts it."""
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def get_stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    async def get_info(self) -> EngineInfo: ...
+
+    async def close(self) -> None:
+        pass
+
+
+class InprocEngineClient(EngineClient):
+    """An engine core running in this process (no gRPC)."""
+
+    def __init__(self, engine: EngineLoop):
+        self.engine = engine
+
+    def generate(self, request):
+        return self.engine.generate(request)
+
+    async def abort(self, request_ids):
+        await self.engine.abort(request_ids)
+
+    async def get_stats(self):
+        return self.engine.stats()
+
+    async def get_info(self):
+        return self.engine.core.info
+
+    async def close(self):
+        self.engine.shutdown()
+
+
+class GrpcEngineClient(EngineClient):
+    """A remote engine core."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = engine_core_pb2_grpc.EngineCoreStub(self.channel)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"engine core at {self.address} did not answer within "
+                              f"{timeout_s:.0f} s") from None
+
+    async def generate(self, request):
+        call = self.stub.Generate(convert.engine_core_request_to_proto(request),
+                                  metadata=tracing.trace_metadata())
+        try:
+            async for output in call:
+                yield convert.engine_core_output_from_proto(output)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op once finished; aborts the request if we left early
+
+    async def abort(self, request_ids):
+        await self._unary(self.stub.Abort, engine_core_pb2.AbortRequest(request_ids=request_ids))
+
+    async def get_stats(self):
+        return convert.engine_stats_from_proto(
+            await self._unary(self.stub.GetStats, engine_core_pb2.GetStatsRequest()))
+
+    async def get_info(self):
+        return convert.engine_info_from_proto(
+            await self._unary(self.stub.GetEngineInfo, engine_core_pb2.GetEngineInfoRequest()))
+
+    async def close(self):
+        await self.channel.close()
+
+    @staticmethod
+    async def _unary(method, request):
+        try:
+            return await method(request, metadata=tracing.trace_metadata(), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+

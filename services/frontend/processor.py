@@ -1,0 +1,68 @@
+"""Processor: turns user input (prompt, token ids or chat) into an engine-core request."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+from services.common.request_types import EngineCoreRequest, EngineInfo, SamplingParams
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Processor:
+    def __init__(self, tokenizer, engine_info: EngineInfo, eos_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.engine_info = engine_info
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                 chat: list[ChatMessage] | None = None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of exactly one kind of input."""
+        given = [name for name, v in (("prompt", prompt), ("token_ids", token_ids), ("chat", chat))
+                 if v is not None]
+        if len(given) != 1:
+            raise InvalidArgument("input", "give exactly one of prompt, token_ids or chat"
+                                  + (f" (got {', '.join(given)})" if given else ""))
+        if prompt is not None:
+            if not prompt:
+                raise InvalidArgument("prompt", "is empty")
+            return self.tokenizer(prompt)["input_ids"]
+        if token_ids is not None:
+            self._check_token_ids(token_ids)
+            return list(token_ids)
+        return self._render_chat(chat, add_generation_prompt)
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     sampling_params: SamplingParams,
+                     trace_headers: dict[str, str]) -> EngineCoreRequest:
+        sampling_params.validate(self.engine_info.vocab_size)
+        max_len = self.engine_info.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise InvalidArgument("input", f"the prompt has {len(prompt_token_ids)} tokens; the "
+                                  f"model's max_model_len is {max_len} (prompt + output)")
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                 sampling_params=sampling_params,
+                                 eos_token_ids=self.eos_token_ids, trace_headers=trace_headers)
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidArgument("token_ids", "is empty")
+        vocab = self.engine_info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument("token_ids", f"{bad} is outside the vocabulary [0, {vocab})")
+
+    def _render_chat(self, chat: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        if not chat:
+            raise InvalidArgument("chat.messages", "is empty")
+        if self.tokenizer.chat_template is None:
+            raise InvalidArgument("chat", "this model has no chat template; send a prompt")
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in chat],
+            add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]

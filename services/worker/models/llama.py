@@ -1,0 +1,168 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One implementation; the architectures differ only in class-level switches:
+bias on q/k/v (Qwen2) and RMSNorm on q and k per head (Qwen3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from services.worker.attention import AttentionMetadata, TorchSDPABackend
+from services.worker.layers import PackedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+@dataclass(frozen=True)
+class ArchFlags:
+    """What sets one Llama-family architecture apart from another."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, max_positions: int, arch: ArchFlags, backend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, max_positions: int, arch: ArchFlags, backend):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, max_positions, arch, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int, arch: ArchFlags, backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, max_positions, arch, backend)
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint name -> (our packed parameter, shard) for projections we fuse.
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    @staticmethod
+    def arch_flags(config) -> ArchFlags:
+        bias = getattr(config, "attention_bias", False)
+        return ArchFlags(qkv_bias=bias, o_bias=bias)
+
+    def __init__(self, config, max_positions: int, backend=None):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions, self.arch_flags(config),
+                                backend or TorchSDPABackend())
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of the scheduled tokens."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = None
+            for ckpt_name, (packed_name, shard_name) in self.packed_modules_mapping.items():
+                if f".{ckpt_name}." in name:
+                    name, shard = name.replace(ckpt_name, packed_name), shard_name
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    param.weight_loader(param, tensor, shard)
+            loaded.add(name)
+        missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        if missing:
+            raise KeyError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def arch_flags(config) -> ArchFlags:
+        return ArchFlags(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def arch_flags(config) -> ArchFlags:
+        bias = getattr(config, "attention_bias", False)
+        return ArchFlags(qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -1,0 +1,32 @@
+"""WorkerServicer: the Worker over gRPC (convert, call, convert back)."""
+from __future__ import annotations
+
+import asyncio
+
+from services.common import convert
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.worker.worker import Worker
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    # Model work runs off the event loop so health checks answer during a step.
+    async def LoadModel(self, request, context):
+        loaded = await asyncio.to_thread(self.worker.load_model,
+                                         *convert.load_model_request_from_proto(request))
+        return convert.loaded_model_to_proto(loaded)
+
+    async def DetermineNumKvBlocks(self, request, context):
+        return worker_pb2.DetermineNumKvBlocksResponse(
+            num_blocks=self.worker.determine_num_kv_blocks())
+
+    async def InitKvCache(self, request, context):
+        await asyncio.to_thread(self.worker.init_kv_cache, request.num_blocks)
+        return worker_pb2.InitKvCacheResponse()
+
+    async def ExecuteModel(self, request, context):
+        output = await asyncio.to_thread(self.worker.execute_model,
+                                         convert.scheduler_output_from_proto(request))
+        return convert.model_runner_output_to_proto(output)

@@ -1,0 +1,135 @@
+"""The three real processes over real gRPC: stream, cancel, errors, health, traces."""
+import json
+import re
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve.client import Client
+from llmserve.launcher import LocalStack
+from services.common.config import CacheConfig, EngineConfig, ModelConfig
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc, inference_pb2
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, model_dir):
+    log_dir = tmp_path_factory.mktemp("logs")
+    config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
+                          cache=CacheConfig(kv_cache_bytes=128 << 20))
+    local = LocalStack(config, port=0, log_dir=str(log_dir),
+                       env={"OTEL_TRACES_EXPORTER": "console"})
+    local.start(timeout_s=180)
+    yield local
+    local.stop()
+    for service in local.services:
+        assert service.process.returncode is not None
+
+
+def _address(stack, name):
+    return next(s.address for s in stack.services if s.name == name)
+
+
+def _engine_stats(stack):
+    with grpc.insecure_channel(_address(stack, "engine-core")) as channel:
+        return engine_core_pb2_grpc.EngineCoreStub(channel).GetStats(
+            engine_core_pb2.GetStatsRequest(), timeout=10)
+
+
+def _wait_all_blocks_free(stack, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _engine_stats(stack)
+        if stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0:
+            return stats
+        assert time.monotonic() < deadline, f"KV blocks still held: {stats}"
+        time.sleep(0.05)
+
+
+def test_health_serving_on_all_three(stack):
+    for service in stack.services:
+        with grpc.insecure_channel(service.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING, service.name
+
+
+def test_stream_then_cancel_frees_every_block(stack, tokenizer):
+    with Client(_address(stack, "frontend")) as client:
+        responses = list(client.generate(chat=[{"role": "user", "content": "What is 2+2?"}],
+                                         max_tokens=24, temperature=0))
+        text = "".join(r.text for r in responses)
+        assert len(responses) > 1 and text.strip()
+        assert "\ufffd" not in text
+        last = responses[-1]
+        assert last.HasField("finish_reason") and last.usage.completion_tokens == sum(
+            len(r.token_ids) for r in responses)
+        assert text == tokenizer.decode([t for r in responses for t in r.token_ids],
+                                        skip_special_tokens=True)
+
+        stream = client.generate(prompt="Write a very long story about a dragon.",
+                                 max_tokens=500, temperature=0, ignore_eos=True)
+        for i, _ in enumerate(stream):
+            if i == 5:
+                assert _engine_stats(stack).num_running == 1
+                stream.cancel()
+                break
+        stats = _wait_all_blocks_free(stack)
+        assert stats.num_waiting == 0
+
+
+def test_deadline_aborts_the_request(stack):
+    with Client(_address(stack, "frontend")) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in client.generate(prompt="Count to a thousand:", max_tokens=1000,
+                                     ignore_eos=True, timeout=1.0):
+                pass
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_all_blocks_free(stack)
+
+
+def test_bad_input_is_invalid_argument_and_harms_nobody(stack):
+    with Client(_address(stack, "frontend")) as client:
+        good = client.generate(prompt="Hello", max_tokens=8, temperature=0)
+        for kwargs, field in [({"prompt": "hi", "temperature": -1.0}, "temperature"),
+                              ({"token_ids": [10**6]}, "token_ids"),
+                              ({"prompt": ""}, "prompt"),
+                              ({"prompt": "hi", "max_tokens": 0}, "max_tokens")]:
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.generate(**kwargs))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details()
+        assert list(good)[-1].usage.completion_tokens == 8
+        info = client.model_info()
+        assert info.vocab_size == 49152 and info.dtype == "float32" and info.num_kv_blocks > 0
+
+
+def test_one_trace_spans_all_three_services(stack):
+    with Client(_address(stack, "frontend")) as client:
+        list(client.generate(prompt="Trace me", max_tokens=3, request_id="traced-request"))
+    _wait_all_blocks_free(stack)
+    time.sleep(0.5)  # the worker ends its span on the step after the request finished
+
+    def trace_ids(name, span_name):
+        text = open(next(s.log_path for s in stack.services if s.name == name)).read()
+        return {m["context"]["trace_id"] for m in _json_objects(text)
+                if m.get("name") == span_name
+                and m.get("attributes", {}).get("gen_ai.request.id") == "traced-request"}
+
+    frontend = trace_ids("frontend", "frontend.request")
+    assert len(frontend) == 1
+    assert trace_ids("engine-core", "engine_core.request") == frontend
+    assert trace_ids("worker", "worker.request") == frontend
+
+
+def _json_objects(text):
+    """The JSON objects the console span exporter printed between log lines."""
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"^\{", text, re.M):
+        try:
+            yield decoder.raw_decode(text, match.start())[0]
+        except json.JSONDecodeError:
+            continue
