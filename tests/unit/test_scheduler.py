@@ -1,0 +1,127 @@
+"""Scheduler behaviour with a fake model: no weights, deterministic tokens."""
+from services.common.config import CacheConfig, SchedulerConfig
+from services.common.errors import AlreadyExists, InvalidArgument
+from services.common.request_types import FinishReason, SamplingParams
+from services.common.scheduler_output import ModelRunnerOutput
+from services.engine_core.request import Request
+from services.engine_core.scheduler import Scheduler
+
+import pytest
+
+EOS = 0
+
+
+def fake_token(request: Request) -> int:
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return 1 + sum(request.all_token_ids) % 97
+
+
+def run_step(scheduler: Scheduler):
+    so = scheduler.schedule()
+    sampled = {r: fake_token(scheduler.requests[r]) for r in so.num_scheduled_tokens
+               if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
+    return so, scheduler.update_from_output(so, ModelRunnerOutput(sampled))
+
+
+def make_scheduler(num_blocks=64, budget=64, max_seqs=8, max_model_len=256):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+                     CacheConfig(block_size=4), max_model_len, num_blocks)
+
+
+def request(rid, n_prompt, max_tokens=8):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                   frozenset({EOS}))
+
+
+def drain(scheduler):
+    tokens, reasons = {}, {}
+    while scheduler.has_work():
+        so, outputs = run_step(scheduler)
+        assert so.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+        for o in outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                reasons[o.request_id] = o.finish_reason
+    return tokens, reasons
+
+
+def test_new_requests_join_a_running_batch():
+    s = make_scheduler()
+    s.add_request(request("a", 5, max_tokens=10))
+    run_step(s)
+    run_step(s)
+    s.add_request(request("b", 3))
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 3}
+    assert [r.request_id for r in so.new_requests] == ["b"]
+
+
+def test_long_prompt_is_chunked_without_starving_decodes():
+    s = make_scheduler(budget=16)
+    s.add_request(request("decoder", 4, max_tokens=20))
+    run_step(s)
+    s.add_request(request("long", 50))
+    chunks = []
+    while s.requests["long"].num_computed_tokens < 50:
+        so, _ = run_step(s)
+        assert so.num_scheduled_tokens["decoder"] == 1  # the decode goes on every step
+        chunks.append(so.num_scheduled_tokens["long"])
+    assert chunks == [15, 15, 15, 5]
+
+
+def test_preemption_under_block_pressure_gives_the_same_tokens():
+    def run(num_blocks):
+        s = make_scheduler(num_blocks=num_blocks, budget=256)
+        for i in range(6):
+            s.add_request(request(f"r{i}", 10 + i, max_tokens=30))
+        tokens, reasons = drain(s)
+        assert s.kv_cache_manager.num_free_blocks == num_blocks
+        return tokens, reasons, s.num_preemptions
+
+    roomy, roomy_reasons, none = run(200)
+    tight, tight_reasons, some = run(25)
+    assert none == 0 and some > 0
+    assert tight == roomy and tight_reasons == roomy_reasons
+
+
+def test_stop_conditions_and_abort_in_every_state():
+    s = make_scheduler(num_blocks=8, max_seqs=1)
+    s.add_request(request("running", 4, max_tokens=100))
+    s.add_request(request("waiting", 4))
+    run_step(s)
+    assert s.requests["waiting"].status.value == "waiting"
+    outputs = s.abort_requests(["running", "waiting", "unknown"])
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [
+        ("running", FinishReason.ABORT), ("waiting", FinishReason.ABORT)]
+    assert s.kv_cache_manager.num_free_blocks == 8 and not s.has_unfinished_requests()
+    assert s.schedule().finished_request_ids == ["running", "waiting"]
+
+    s.add_request(request("len", 4, max_tokens=3))
+    _, reasons = drain(s)
+    assert reasons == {"len": FinishReason.LENGTH}
+
+
+def test_eos_and_stop_token_ids_finish_with_stop():
+    s = make_scheduler()
+    r = request("eos", 4, max_tokens=50)
+    r.eos_token_ids = frozenset({fake_token(r)})  # the very first token is EOS
+    s.add_request(r)
+    tokens, reasons = drain(s)
+    assert reasons["eos"] is FinishReason.STOP and len(tokens["eos"]) == 1
+
+    r = request("stop", 4, max_tokens=50)
+    r.sampling_params.stop_token_ids = [fake_token(r)]
+    s.add_request(r)
+    _, reasons = drain(s)
+    assert reasons["stop"] is FinishReason.STOP
+
+
+def test_admission_errors():
+    s = make_scheduler(num_blocks=4, max_model_len=64)
+    with pytest.raises(InvalidArgument, match="max_model_len"):
+        s.add_request(request("too-long", 64))
+    with pytest.raises(InvalidArgument, match="blocks"):
+        s.add_request(request("too-big-for-cache", 20))
+    s.add_request(request("dup", 3))
+    with pytest.raises(AlreadyExists):
+        s.add_request(request("dup", 3))
