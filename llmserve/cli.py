@@ -94,3 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"usage: llmserve {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
         sys.exit(2)
     sys.exit(COMMANDS[argv[0]](argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -35,23 +35,30 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 request_id, prompt_ids, params, tracing.current_trace_headers())
             detokenizer = IncrementalDetokenizer(self.processor.tokenizer)
             start, first_token_at, num_generated = time.monotonic(), None, 0
-            async for output in self.engine.generate(engine_request):
-                num_generated += len(output.new_token_ids)
-                first_token_at = first_token_at or time.monotonic()
-                response = inference_pb2.GenerateResponse(
-                    request_id=request_id, text=detokenizer.add_tokens(output.new_token_ids),
-                    token_ids=output.new_token_ids)
-                if output.finished:
-                    response.finish_reason = int(output.finish_reason)
-                    response.usage.CopyFrom(inference_pb2.Usage(
-                        prompt_tokens=len(prompt_ids), completion_tokens=num_generated,
-                        cached_prompt_tokens=output.num_cached_tokens))
-                yield response
-            span.set_attributes({
-                "gen_ai.usage.prompt_tokens": len(prompt_ids),
-                "gen_ai.usage.completion_tokens": num_generated,
-                "gen_ai.latency.e2e": time.monotonic() - start,
-                "gen_ai.latency.time_to_first_token": (first_token_at or start) - start})
+            finish_reason = "cancelled"
+            try:
+                async for output in self.engine.generate(engine_request):
+                    num_generated += len(output.new_token_ids)
+                    first_token_at = first_token_at or time.monotonic()
+                    response = inference_pb2.GenerateResponse(
+                        request_id=request_id, text=detokenizer.add_tokens(output.new_token_ids),
+                        token_ids=output.new_token_ids)
+                    if output.finished:
+                        finish_reason = str(output.finish_reason)
+                        response.finish_reason = int(output.finish_reason)
+                        response.usage.CopyFrom(inference_pb2.Usage(
+                            prompt_tokens=len(prompt_ids), completion_tokens=num_generated,
+                            cached_prompt_tokens=output.num_cached_tokens))
+                    yield response
+            finally:
+                e2e, ttft = time.monotonic() - start, (first_token_at or start) - start
+                span.set_attributes({
+                    "gen_ai.usage.prompt_tokens": len(prompt_ids),
+                    "gen_ai.usage.completion_tokens": num_generated,
+                    "gen_ai.latency.e2e": e2e, "gen_ai.latency.time_to_first_token": ttft})
+                logger.info("request %s %s: %d prompt + %d generated tokens, ttft %.3f s, "
+                            "e2e %.3f s", request_id, finish_reason, len(prompt_ids),
+                            num_generated, ttft, e2e)
 
     async def Tokenize(self, request, context):
         ids = self.processor.tokenize(**_input_of(request))

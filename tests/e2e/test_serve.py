@@ -6,6 +6,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
+    ProtoReflectionDescriptorDatabase
 
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
@@ -49,12 +51,17 @@ def _wait_all_blocks_free(stack, timeout_s=10.0):
         time.sleep(0.05)
 
 
-def test_health_serving_on_all_three(stack):
+def test_health_and_reflection_on_all_three(stack):
+    expected = {"frontend": "llmserve.v1.Inference", "engine-core": "llmserve.engine.v1.EngineCore",
+                "worker": "llmserve.worker.v1.Worker"}
     for service in stack.services:
         with grpc.insecure_channel(service.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            assert stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
-                health_pb2.HealthCheckResponse.SERVING, service.name
+            for name in ("", expected[service.name]):
+                assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status \
+                    == health_pb2.HealthCheckResponse.SERVING, (service.name, name)
+            services = ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert expected[service.name] in services and "grpc.health.v1.Health" in services
 
 
 def test_stream_then_cancel_frees_every_block(stack, tokenizer):
@@ -133,3 +140,13 @@ def _json_objects(text):
             yield decoder.raw_decode(text, match.start())[0]
         except json.JSONDecodeError:
             continue
+
+
+def test_generate_cli_streams_the_answer(stack):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "llmserve.cli", "generate", "--address",
+                          _address(stack, "frontend"), "--max-tokens", "12", "What is 2+2?"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
