@@ -42,10 +42,13 @@ def hf_model(model_dir):
     return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def make_engine_core(model_dir: str, kv_cache_bytes: int = 64 << 20, **scheduler) -> EngineCore:
+def make_engine_core(model_dir: str, kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024,
+                     enable_prefix_caching: bool = True, **scheduler) -> EngineCore:
     """An fp32 engine core with one in-process worker."""
-    config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
-                          cache=CacheConfig(kv_cache_bytes=kv_cache_bytes),
+    config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32",
+                                            max_model_len=max_model_len),
+                          cache=CacheConfig(kv_cache_bytes=kv_cache_bytes,
+                                            enable_prefix_caching=enable_prefix_caching),
                           scheduler=dataclasses.replace(SchedulerConfig(), **scheduler))
     return EngineCore(config, InprocExecutor([Worker()]))
 

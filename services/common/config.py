@@ -23,6 +23,7 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30  # CPU: memory given to the KV cache
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -31,6 +32,8 @@ class SchedulerConfig:
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # "fcfs", or "priority": lowest priority value first, then earliest arrival.
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -52,9 +55,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d_cache.block_size)
     parser.add_argument("--kv-cache-gib", type=float, default=d_cache.kv_cache_bytes / (1 << 30),
                         help="KV cache size on CPU, in GiB (default: %(default)s)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="turn prefix caching off")
     parser.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=d_sched.max_num_batched_tokens)
+    parser.add_argument("--scheduling-policy", dest="policy", default=d_sched.policy,
+                        choices=["fcfs", "priority"],
+                        help="priority: lower priority values are served first")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -62,9 +70,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=args.model, dtype=args.dtype,
                           max_model_len=args.max_model_len, seed=args.seed),
         cache=CacheConfig(block_size=args.block_size,
-                          kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),
+                          kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  policy=args.policy),
     )
 
 
@@ -75,4 +85,6 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
             "--seed", str(m.seed), "--block-size", str(c.block_size),
             "--kv-cache-gib", repr(c.kv_cache_bytes / (1 << 30)),
             "--max-num-seqs", str(s.max_num_seqs),
-            "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+            "--scheduling-policy", s.policy,
+            *([] if c.enable_prefix_caching else ["--no-prefix-caching"])]

@@ -35,7 +35,7 @@ def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.Engine
     return engine_core_pb2.EngineCoreRequest(
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling_params=sampling_params_to_proto(r.sampling_params),
-        eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers)
+        eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers, priority=r.priority)
 
 
 def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> EngineCoreRequest:
@@ -43,7 +43,7 @@ def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> Eng
                              prompt_token_ids=list(pb.prompt_token_ids),
                              sampling_params=sampling_params_from_proto(pb.sampling_params),
                              eos_token_ids=list(pb.eos_token_ids),
-                             trace_headers=dict(pb.trace_headers))
+                             trace_headers=dict(pb.trace_headers), priority=pb.priority)
 
 
 def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:

@@ -27,6 +27,10 @@ class AlreadyExists(LLMServeError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class FailedPrecondition(LLMServeError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(LLMServeError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

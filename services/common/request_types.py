@@ -59,6 +59,8 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
     trace_headers: dict[str, str] = field(default_factory=dict)
+    # Lower values are served first under the priority scheduling policy.
+    priority: int = 0
 
 
 @dataclass
@@ -77,12 +79,17 @@ class EngineCoreOutput:
 
 @dataclass
 class EngineStats:
-    """Load and KV cache figures of an engine core."""
+    """Load and KV cache figures of an engine core (see EngineStats in engine_core.proto)."""
 
     num_running: int
     num_waiting: int
+    num_preempted: int
+    num_preemptions_total: int
     num_kv_blocks: int
-    num_free_kv_blocks: int
+    num_used_kv_blocks: int
+    num_cached_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_steps: int
     num_scheduled_tokens_last_step: int
 

@@ -61,13 +61,23 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache; False (and nothing done) while requests hold blocks."""
+        return self.scheduler.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
-        kv = self.scheduler.kv_cache_manager
-        return EngineStats(num_running=len(self.scheduler.running),
-                           num_waiting=len(self.scheduler.waiting),
-                           num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks,
-                           num_steps=self.num_steps,
-                           num_scheduled_tokens_last_step=self.num_scheduled_tokens_last_step)
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_preempted=scheduler.num_preempted,
+            num_preemptions_total=scheduler.num_preemptions,
+            num_kv_blocks=kv.num_blocks, num_used_kv_blocks=kv.num_blocks - kv.num_free_blocks,
+            num_cached_kv_blocks=len(kv.block_pool.cached_blocks),
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_steps=self.num_steps,
+            num_scheduled_tokens_last_step=self.num_scheduled_tokens_last_step)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from services.common.errors import LLMServeError, Unavailable
+from services.common.errors import FailedPrecondition, LLMServeError, Unavailable
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
 from services.engine_core.engine_core import EngineCore
 
@@ -56,6 +56,10 @@ class EngineLoop:
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._call(lambda: self._abort(request_ids))
+
+    async def reset_prefix_cache(self) -> None:
+        if not await self._call(self.core.reset_prefix_cache):
+            raise FailedPrecondition("requests still hold KV blocks; retry when idle")
 
     def stats(self) -> EngineStats:
         # Plain reads of counters the loop thread updates; no lock needed.

@@ -1,7 +1,10 @@
-"""KVCacheManager: which blocks each request holds."""
+"""KVCacheManager: which blocks each request holds, and prefix-cache lookups."""
 from __future__ import annotations
 
-from services.engine_core.block_pool import BlockPool, KVCacheBlock
+from dataclasses import dataclass
+
+from services.engine_core.block_pool import BlockPool
+from services.engine_core.kv_cache_utils import KVCacheBlock, hash_full_blocks
 from services.engine_core.request import Request
 
 
@@ -9,11 +12,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -23,25 +36,74 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Makes room for num_new_tokens more tokens; returns the ids of the blocks
-        added, or None (and changes nothing) when too few blocks are free."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_new_blocks = num_needed - len(blocks)
-        if num_new_blocks <= 0:
-            return []
-        if num_new_blocks > self.block_pool.num_free_blocks:
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest chain of cached blocks that prefixes the request, and the
+        number of tokens it covers. The last token is always left to compute:
+        its logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Counts a lookup whose request was admitted (a failed admission is retried)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_stats.queries += num_queried
+            self.prefix_cache_stats.hits += num_hit
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] = ()) -> list[int] | None:
+        """Makes room for num_new_tokens after the request's computed tokens and
+        the cache-hit blocks; returns the ids of the freshly allocated blocks, or
+        None (changing nothing) when too few blocks are free."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        # Cache hits on free blocks take them out of the free queue too.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_revived:
             return None
+        self.block_pool.touch(new_computed_blocks)
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.allocate(num_new_blocks)
         blocks.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [b.block_id for b in new_blocks]
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks, last block first so that the tail of a
-        sequence is the first to be reused."""
+        """Releases the request's blocks, last block first: the tail of a sequence
+        is the least likely to be shared, so it is evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        return hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                           num_tokens: int) -> None:
+        """Registers the blocks that this step fills completely."""
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, end):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = end

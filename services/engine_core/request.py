@@ -22,6 +22,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     trace_headers: dict[str, str] = field(default_factory=dict)
+    # Lower values are served first under the priority policy.
+    priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -32,6 +34,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: always prompt_token_ids + output_token_ids, kept to avoid a copy per step.
     all_token_ids: list[int] = field(init=False)
+    # Prefix-cache hashes of the full blocks of all_token_ids computed so far.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -42,7 +46,7 @@ class Request:
                    prompt_token_ids=list(request.prompt_token_ids),
                    sampling_params=request.sampling_params,
                    eos_token_ids=frozenset(request.eos_token_ids),
-                   trace_headers=dict(request.trace_headers))
+                   trace_headers=dict(request.trace_headers), priority=request.priority)
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,6 @@ so a long prompt is prefilled in chunks across steps while decodes go on.
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 from services.common.config import CacheConfig, SchedulerConfig
 from services.common.errors import AlreadyExists, InvalidArgument
@@ -16,6 +15,7 @@ from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutp
                                               NewRequestData, SchedulerOutput)
 from services.engine_core.kv_cache_manager import KVCacheManager, cdiv
 from services.engine_core.request import Request, RequestStatus
+from services.engine_core.request_queue import make_request_queue
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +23,19 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int):
+        capacity = num_kv_blocks * cache_config.block_size
+        if capacity < max_model_len:
+            # Otherwise one request alone could outgrow the cache and preempt itself forever.
+            raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                             f"{max_model_len}: give it more memory (--kv-cache-gib) or lower "
+                             "--max-model-len")
         self.config = scheduler_config
         self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []  # in admission order
         # Finished since the last schedule(): sent to workers so they drop state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0
@@ -51,10 +58,11 @@ class Scheduler:
                 "prompt", f"needs {blocks_needed} KV cache blocks but the cache has only "
                 f"{self.kv_cache_manager.num_blocks}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        """Finishes the given live requests as aborted; unknown ids are ignored."""
+        """Finishes the given live requests as aborted, in any state; unknown ids
+        are ignored."""
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -76,60 +84,80 @@ class Scheduler:
         """Requests to run, or finished ones the workers have not been told of."""
         return bool(self.requests or self.finished_request_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def num_preempted(self) -> int:
+        return sum(1 for r in self.waiting if r.status is RequestStatus.PREEMPTED)
+
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=sorted(self.finished_request_ids))
         self.finished_request_ids.clear()
         budget = self.config.max_num_batched_tokens
-        preempted_this_step = False
+        budget, preempted = self._schedule_running(output, budget)
+        if not preempted:  # no room to admit anyone when running requests lacked blocks
+            self._schedule_waiting(output, budget)
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        return output
 
-        # Running requests first, in admission order; when blocks run out the
-        # most recently admitted one is preempted.
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        scheduled: dict[str, CachedRequestData] = {}
+        preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                self.running.remove(victim)
                 self._preempt(victim)
-                preempted_this_step = True
+                preempted = True
                 if victim is request:
                     break
+                if victim.request_id in scheduled:  # undo its place in this step
+                    del scheduled[victim.request_id]
+                    budget += output.num_scheduled_tokens.pop(victim.request_id)
+                    index -= 1
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
-                break
-            output.cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+                continue  # `request` itself was preempted; running[index] is the next one
+            scheduled[request.request_id] = CachedRequestData(
+                request.request_id, new_block_ids, request.num_computed_tokens)
             output.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             index += 1
+        output.cached_requests = list(scheduled.values())
+        return budget, preempted
 
-        # Then waiting ones (preempted ones were put at the front), unless this
-        # step already had to preempt: then there is no room to admit more.
-        while (self.waiting and budget > 0 and not preempted_this_step
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            kv.record_prefix_cache_lookup(request.num_tokens, num_cached)
             self.running.append(request)
+            if request.status is RequestStatus.WAITING:  # not a resumed preemption
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
             output.new_requests.append(NewRequestData(
                 request_id=request.request_id,
                 prompt_token_ids=list(request.all_token_ids),
                 sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.block_ids(request.request_id),
-                num_computed_tokens=request.num_computed_tokens,
+                block_ids=kv.block_ids(request.request_id),
+                num_computed_tokens=num_cached,
                 trace_headers=request.trace_headers))
             output.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
-
-        for request_id, num_new in output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_new
-        return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -154,11 +182,18 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------
 
+    def _pick_victim(self) -> Request:
+        """FCFS: the most recently admitted; priority: the lowest priority (highest
+        value), then the latest arrival."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
         self.num_preemptions += 1
         logger.info("preempted request %s (%d tokens) to free KV blocks",
                     request.request_id, request.num_tokens)

@@ -30,6 +30,10 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
         await self.engine.abort(list(request.request_ids))
         return engine_core_pb2.AbortResponse()
 
+    async def ResetPrefixCache(self, request, context):
+        await self.engine.reset_prefix_cache()
+        return engine_core_pb2.ResetPrefixCacheResponse()
+
     async def GetStats(self, request, context):
         return convert.engine_stats_to_proto(self.engine.stats())
 

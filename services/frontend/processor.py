@@ -38,8 +38,8 @@ class Processor:
         return self._render_chat(chat, add_generation_prompt)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling_params: SamplingParams,
-                     trace_headers: dict[str, str]) -> EngineCoreRequest:
+                     sampling_params: SamplingParams, trace_headers: dict[str, str],
+                     priority: int = 0) -> EngineCoreRequest:
         sampling_params.validate(self.engine_info.vocab_size)
         max_len = self.engine_info.max_model_len
         if len(prompt_token_ids) >= max_len:
@@ -47,7 +47,8 @@ class Processor:
                                   f"model's max_model_len is {max_len} (prompt + output)")
         return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                  sampling_params=sampling_params,
-                                 eos_token_ids=self.eos_token_ids, trace_headers=trace_headers)
+                                 eos_token_ids=self.eos_token_ids, trace_headers=trace_headers,
+                                 priority=priority)
 
     def _check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:

@@ -32,7 +32,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 "gen_ai.response.model": self.model_name}) as span:
             prompt_ids = self.processor.tokenize(**_input_of(request))
             engine_request = self.processor.make_request(
-                request_id, prompt_ids, params, tracing.current_trace_headers())
+                request_id, prompt_ids, params, tracing.current_trace_headers(), request.priority)
             detokenizer = IncrementalDetokenizer(self.processor.tokenizer)
             start, first_token_at, num_generated = time.monotonic(), None, 0
             finish_reason = "cancelled"

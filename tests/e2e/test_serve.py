@@ -45,7 +45,7 @@ def _wait_all_blocks_free(stack, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     while True:
         stats = _engine_stats(stack)
-        if stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0:
+        if stats.num_used_kv_blocks == 0 and stats.num_running == 0:
             return stats
         assert time.monotonic() < deadline, f"KV blocks still held: {stats}"
         time.sleep(0.05)

@@ -1,4 +1,6 @@
 """Scheduler behaviour with a fake model: no weights, deterministic tokens."""
+import itertools
+
 from services.common.config import CacheConfig, SchedulerConfig
 from services.common.errors import AlreadyExists, InvalidArgument
 from services.common.request_types import FinishReason, SamplingParams
@@ -9,6 +11,7 @@ from services.engine_core.scheduler import Scheduler
 import pytest
 
 EOS = 0
+_prompt_ranges = itertools.count(1)
 
 
 def fake_token(request: Request) -> int:
@@ -28,8 +31,11 @@ def make_scheduler(num_blocks=64, budget=64, max_seqs=8, max_model_len=256):
                      CacheConfig(block_size=4), max_model_len, num_blocks)
 
 
-def request(rid, n_prompt, max_tokens=8):
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
+def request(rid, n_prompt, max_tokens=8, first_token=None):
+    """A request whose prompt is n_prompt consecutive ids; distinct ids per request
+    id by default, so that no prefix is shared unless a test asks for it."""
+    first = first_token if first_token is not None else 1000 * next(_prompt_ranges)
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens),
                    frozenset({EOS}))
 
 
@@ -71,9 +77,9 @@ def test_long_prompt_is_chunked_without_starving_decodes():
 
 def test_preemption_under_block_pressure_gives_the_same_tokens():
     def run(num_blocks):
-        s = make_scheduler(num_blocks=num_blocks, budget=256)
+        s = make_scheduler(num_blocks=num_blocks, budget=256, max_model_len=64)
         for i in range(6):
-            s.add_request(request(f"r{i}", 10 + i, max_tokens=30))
+            s.add_request(request(f"r{i}", 10 + i, max_tokens=30, first_token=100 * (i + 1)))
         tokens, reasons = drain(s)
         assert s.kv_cache_manager.num_free_blocks == num_blocks
         return tokens, reasons, s.num_preemptions

@@ -1,0 +1,65 @@
+"""An executor whose 'worker' keeps a persistent batch from the step diffs, as a
+real one does, and 'samples' a token that depends only on the sequence so far."""
+from __future__ import annotations
+
+from services.common.request_types import LoadedModel
+from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from services.engine_core.executor import Executor
+
+VOCAB_SIZE = 1000
+
+
+def next_token(token_ids: list[int]) -> int:
+    return (sum(token_ids) * 31 + len(token_ids)) % VOCAB_SIZE
+
+
+def reference_tokens(prompt: list[int], max_tokens: int, eos: set[int],
+                     max_model_len: int) -> list[int]:
+    """What a request alone would generate."""
+    tokens, out = list(prompt), []
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        out.append(token)
+        if token in eos or len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+class FakeExecutor(Executor):
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.requests: dict[str, dict] = {}
+
+    def load_model(self, model_config, cache_config):
+        return LoadedModel(vocab_size=VOCAB_SIZE, dtype="float32", kv_block_bytes=1)
+
+    def determine_num_kv_blocks(self):
+        return self.num_blocks
+
+    def init_kv_cache(self, num_blocks):
+        pass
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in so.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in so.new_requests:
+            self.requests[new.request_id] = {"tokens": list(new.prompt_token_ids),
+                                             "blocks": list(new.block_ids),
+                                             "computed": new.num_computed_tokens}
+        for cached in so.cached_requests:
+            state = self.requests[cached.request_id]
+            assert state["computed"] == cached.num_computed_tokens
+            state["blocks"] += cached.new_block_ids
+        sampled = {}
+        for request_id, n in so.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            end = state["computed"] + n
+            assert end <= len(state["tokens"]), "scheduled tokens the worker does not have"
+            assert len(state["blocks"]) * self.block_size >= end, "no slot for a token's KV"
+            state["computed"] = end
+            if end == len(state["tokens"]):
+                token = next_token(state["tokens"])
+                state["tokens"].append(token)
+                sampled[request_id] = token
+        return ModelRunnerOutput(sampled)
