@@ -13,7 +13,7 @@ from services.common.errors import AlreadyExists, InvalidArgument
 from services.common.request_types import EngineCoreOutput, FinishReason
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
-from services.engine_core.kv_cache_manager import KVCacheManager, cdiv
+from services.engine_core.kv_cache_manager import KVCacheManager
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.request_queue import make_request_queue
 
@@ -52,11 +52,6 @@ class Scheduler:
             raise InvalidArgument(
                 "prompt", f"has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
                 "which must leave room for at least one generated token")
-        blocks_needed = cdiv(num_prompt + 1, self.kv_cache_manager.block_size)
-        if blocks_needed > self.kv_cache_manager.num_blocks:
-            raise InvalidArgument(
-                "prompt", f"needs {blocks_needed} KV cache blocks but the cache has only "
-                f"{self.kv_cache_manager.num_blocks}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

@@ -26,8 +26,9 @@ def run_step(scheduler: Scheduler):
     return so, scheduler.update_from_output(so, ModelRunnerOutput(sampled))
 
 
-def make_scheduler(num_blocks=64, budget=64, max_seqs=8, max_model_len=256):
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+def make_scheduler(num_blocks=64, budget=64, max_seqs=8, max_model_len=256, policy="fcfs"):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                     policy=policy),
                      CacheConfig(block_size=4), max_model_len, num_blocks)
 
 
@@ -91,7 +92,7 @@ def test_preemption_under_block_pressure_gives_the_same_tokens():
 
 
 def test_stop_conditions_and_abort_in_every_state():
-    s = make_scheduler(num_blocks=8, max_seqs=1)
+    s = make_scheduler(num_blocks=8, max_seqs=1, max_model_len=32)
     s.add_request(request("running", 4, max_tokens=100))
     s.add_request(request("waiting", 4))
     run_step(s)
@@ -123,11 +124,32 @@ def test_eos_and_stop_token_ids_finish_with_stop():
 
 
 def test_admission_errors():
-    s = make_scheduler(num_blocks=4, max_model_len=64)
+    s = make_scheduler(num_blocks=16, max_model_len=64)
     with pytest.raises(InvalidArgument, match="max_model_len"):
         s.add_request(request("too-long", 64))
-    with pytest.raises(InvalidArgument, match="blocks"):
-        s.add_request(request("too-big-for-cache", 20))
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        make_scheduler(num_blocks=15, max_model_len=64)
     s.add_request(request("dup", 3))
     with pytest.raises(AlreadyExists):
         s.add_request(request("dup", 3))
+
+
+def test_priority_policy_serves_lower_values_first_and_preempts_the_highest():
+    s = make_scheduler(max_seqs=1, policy="priority")
+    late_urgent = request("urgent", 4)
+    s.add_request(request("background", 4))
+    late_urgent.priority, late_urgent.arrival_time = -1, late_urgent.arrival_time + 1
+    s.add_request(late_urgent)
+    so, _ = run_step(s)
+    assert list(so.num_scheduled_tokens) == ["urgent"]
+
+    s = make_scheduler(num_blocks=12, budget=64, max_model_len=48, policy="priority")
+    for rid, priority in [("p0", 0), ("p2", 2), ("p1", 1)]:
+        r = request(rid, 8, max_tokens=30)
+        r.priority = priority
+        s.add_request(r)
+    while s.num_preemptions == 0:
+        run_step(s)
+    assert [r.request_id for r in s.waiting] == ["p2"]
+    _, reasons = drain(s)
+    assert reasons == {r: FinishReason.LENGTH for r in ("p0", "p1", "p2")}
