@@ -21,11 +21,12 @@ PROMPT_LEN = 128
 def make_running_scheduler(num_requests: int, steps: int, policy: str,
                            prefix_caching: bool) -> Scheduler:
     """A scheduler whose requests have all finished prefill and are decoding."""
-    num_blocks = num_requests * ((PROMPT_LEN + steps) // 16 + 2)
+    max_model_len = PROMPT_LEN + steps + 16
+    num_blocks = num_requests * (max_model_len // 16 + 1)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=num_requests * PROMPT_LEN,
                         policy=policy),
-        CacheConfig(block_size=16, enable_prefix_caching=prefix_caching), 4096, num_blocks)
+        CacheConfig(block_size=16, enable_prefix_caching=prefix_caching), max_model_len, num_blocks)
     for i in range(num_requests):
         prompt = [(i * 7919 + j) % 49152 for j in range(PROMPT_LEN)]
         scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 10)))
