@@ -134,6 +134,10 @@ class ModelRunner:
         decode_idx = np.flatnonzero(query_lens == 1)
         meta = AttentionMetadata(
             query_start_loc=query_start_loc, seq_lens=seq_lens,
+            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32,
+                                                device=self.device),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            max_query_len=int(query_lens.max()), max_seq_len=max(seq_lens),
             block_table=torch.from_numpy(block_table).to(self.device),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
             block_size=bs,

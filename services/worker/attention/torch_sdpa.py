@@ -1,31 +1,10 @@
-"""Paged attention: the metadata every backend reads, and the torch SDPA backend (CPU)."""
+"""torch SDPA attention over the paged KV cache (the CPU backend)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class AttentionMetadata:
-    """Where each scheduled token's K/V goes and what each query attends to.
-
-    A batch is B requests with their tokens laid end to end (varlen): request i
-    owns query tokens query_start_loc[i]:query_start_loc[i+1], and after this step
-    its cache holds seq_lens[i] tokens (context + new).
-    """
-
-    query_start_loc: list[int]  # [B + 1]
-    seq_lens: list[int]  # [B]
-    block_table: torch.Tensor  # [B, max_blocks] int64, padded with 0
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
-    block_size: int
-    # Requests with a single query token (decodes) are attended to in one batch.
-    decode_request_indices: torch.Tensor  # [num_decodes] int64
-    decode_token_indices: torch.Tensor  # [num_decodes] int64
-    decode_seq_lens: torch.Tensor  # [num_decodes] int64
-    prefill_request_indices: list[int]
+from services.worker.attention.metadata import AttentionMetadata
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
