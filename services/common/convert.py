@@ -4,29 +4,46 @@ from __future__ import annotations
 from services.common.config import CacheConfig, ModelConfig
 from services.common.pb import common_pb2, engine_core_pb2, worker_pb2
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
-                                           EngineStats, FinishReason, LoadedModel, SamplingParams)
+                                           EngineStats, FinishReason, LoadedModel, Logprobs)
+from services.common.sampling_params import OutputKind, SamplingParams
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
 
 # ---- sampling params -------------------------------------------------------------
 
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_REPEATED_SAMPLING_FIELDS = {"stop_token_ids", "stop"}
+_SAMPLING_FIELDS = [f for f in SamplingParams.__dataclass_fields__]
 
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
     """Absent fields take SamplingParams' defaults."""
-    present = {name: getattr(pb, name) for name in _OPTIONAL_SAMPLING_FIELDS if pb.HasField(name)}
-    return SamplingParams(stop_token_ids=list(pb.stop_token_ids), **present)
+    values = {}
+    for name in _SAMPLING_FIELDS:
+        if name in _REPEATED_SAMPLING_FIELDS:
+            values[name] = list(getattr(pb, name))
+        elif pb.HasField(name):
+            values[name] = getattr(pb, name)
+    if values.get("output_kind") == common_pb2.OUTPUT_KIND_UNSPECIFIED:
+        del values["output_kind"]
+    if "output_kind" in values:
+        values["output_kind"] = OutputKind(values["output_kind"])
+    return SamplingParams(**values)
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                                   top_p=params.top_p, top_k=params.top_k,
-                                   stop_token_ids=params.stop_token_ids,
-                                   ignore_eos=params.ignore_eos)
-    if params.seed is not None:
-        pb.seed = params.seed
-    return pb
+    values = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    return common_pb2.SamplingParams(**{k: (int(v) if k == "output_kind" else v)
+                                        for k, v in values.items() if v is not None})
+
+
+def logprobs_to_proto(lp: Logprobs) -> common_pb2.Logprobs:
+    return common_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                               top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+
+
+def logprobs_from_proto(pb: common_pb2.Logprobs) -> Logprobs:
+    return Logprobs(token_id=pb.token_id, logprob=pb.logprob, rank=pb.rank,
+                    top_token_ids=list(pb.top_token_ids), top_logprobs=list(pb.top_logprobs))
 
 
 # ---- engine core -------------------------------------------------------------------
@@ -47,8 +64,11 @@ def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> Eng
 
 
 def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
-    pb = engine_core_pb2.EngineCoreOutput(request_id=o.request_id, new_token_ids=o.new_token_ids,
-                                          num_cached_tokens=o.num_cached_tokens)
+    pb = engine_core_pb2.EngineCoreOutput(
+        request_id=o.request_id, new_token_ids=o.new_token_ids,
+        num_cached_tokens=o.num_cached_tokens,
+        new_logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs],
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs])
     if o.finish_reason is not None:
         pb.finish_reason = int(o.finish_reason)
     return pb
@@ -57,7 +77,9 @@ def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCo
 def engine_core_output_from_proto(pb: engine_core_pb2.EngineCoreOutput) -> EngineCoreOutput:
     reason = FinishReason(pb.finish_reason) if pb.HasField("finish_reason") else None
     return EngineCoreOutput(request_id=pb.request_id, new_token_ids=list(pb.new_token_ids),
-                            finish_reason=reason, num_cached_tokens=pb.num_cached_tokens)
+                            finish_reason=reason, num_cached_tokens=pb.num_cached_tokens,
+                            new_logprobs=[logprobs_from_proto(p) for p in pb.new_logprobs],
+                            prompt_logprobs=[logprobs_from_proto(p) for p in pb.prompt_logprobs])
 
 
 def engine_stats_to_proto(s: EngineStats) -> engine_core_pb2.EngineStats:
@@ -107,7 +129,8 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
             sampling_params=sampling_params_to_proto(r.sampling_params),
             block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
-            trace_headers=r.trace_headers) for r in so.new_requests],
+            trace_headers=r.trace_headers, eos_token_ids=r.eos_token_ids,
+            num_prompt_tokens=r.num_prompt_tokens) for r in so.new_requests],
         cached_requests=[worker_pb2.CachedRequestData(
             request_id=r.request_id, new_block_ids=r.new_block_ids,
             num_computed_tokens=r.num_computed_tokens) for r in so.cached_requests],
@@ -121,7 +144,8 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
             request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
             sampling_params=sampling_params_from_proto(r.sampling_params),
             block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens,
-            trace_headers=dict(r.trace_headers)) for r in pb.new_requests],
+            trace_headers=dict(r.trace_headers), eos_token_ids=list(r.eos_token_ids),
+            num_prompt_tokens=r.num_prompt_tokens) for r in pb.new_requests],
         cached_requests=[CachedRequestData(
             request_id=r.request_id, new_block_ids=list(r.new_block_ids),
             num_computed_tokens=r.num_computed_tokens) for r in pb.cached_requests],
@@ -130,9 +154,27 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
 
 
 def model_runner_output_to_proto(o: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
-    return worker_pb2.ModelRunnerOutput(request_ids=list(o.sampled_token_ids),
-                                        sampled_token_ids=list(o.sampled_token_ids.values()))
+    outputs = []
+    for request_id in {**o.sampled_token_ids, **o.prompt_logprobs}:
+        pb = worker_pb2.RequestStepOutput(
+            request_id=request_id,
+            prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs.get(request_id, [])])
+        if request_id in o.sampled_token_ids:
+            pb.sampled_token_id = o.sampled_token_ids[request_id]
+        if request_id in o.logprobs:
+            pb.logprobs.CopyFrom(logprobs_to_proto(o.logprobs[request_id]))
+        outputs.append(pb)
+    return worker_pb2.ModelRunnerOutput(outputs=outputs)
 
 
 def model_runner_output_from_proto(pb: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
-    return ModelRunnerOutput(dict(zip(pb.request_ids, pb.sampled_token_ids)))
+    output = ModelRunnerOutput()
+    for r in pb.outputs:
+        if r.HasField("sampled_token_id"):
+            output.sampled_token_ids[r.request_id] = r.sampled_token_id
+        if r.HasField("logprobs"):
+            output.logprobs[r.request_id] = logprobs_from_proto(r.logprobs)
+        if r.prompt_logprobs:
+            output.prompt_logprobs[r.request_id] = [logprobs_from_proto(p)
+                                                    for p in r.prompt_logprobs]
+    return output

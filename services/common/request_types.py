@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.common.errors import InvalidArgument
+from services.common.sampling_params import SamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -19,35 +19,14 @@ class FinishReason(enum.IntEnum):
 
 
 @dataclass
-class SamplingParams:
-    """How to pick tokens and when to stop (see protos/common.proto)."""
+class Logprobs:
+    """Log-probabilities at one position: the chosen token's, then the top ones."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self, vocab_size: int) -> None:
-        """Raises InvalidArgument naming the first bad field."""
-        if self.max_tokens < 1:
-            raise InvalidArgument("sampling_params.max_tokens", "must be >= 1")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidArgument("sampling_params.temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument("sampling_params.top_p", "must be in (0, 1]")
-        if self.top_k < 0:
-            raise InvalidArgument("sampling_params.top_k", "must be >= 0 (0 disables it)")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidArgument("sampling_params.stop_token_ids",
-                                  f"{bad[0]} is outside the vocabulary [0, {vocab_size})")
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -71,6 +50,11 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    # One per new token, when the request asked for logprobs.
+    new_logprobs: list[Logprobs] = field(default_factory=list)
+    # Prompt positions computed in this step, when it asked for prompt_logprobs
+    # (the first prompt token has none and is skipped).
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

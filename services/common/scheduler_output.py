@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.request_types import SamplingParams
+from services.common.request_types import Logprobs
+from services.common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -22,6 +23,14 @@ class NewRequestData:
     # Tokens whose KV is already cached (prefix cache hit).
     num_computed_tokens: int
     trace_headers: dict[str, str] = field(default_factory=dict)
+    # Masked with stop_token_ids until min_tokens; empty when ignore_eos is set.
+    eos_token_ids: list[int] = field(default_factory=list)
+    # How many of prompt_token_ids are the real prompt (see NOTE above); None: all.
+    num_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.prompt_token_ids)
 
 
 @dataclass
@@ -56,9 +65,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens of one step.
+    """What one step produced.
 
-    NOTE: a request whose prefill is not finished (a partial chunk) is absent.
+    NOTE: a request whose prefill is not finished (a partial chunk) has no
+    sampled token; it may still have prompt logprobs.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)

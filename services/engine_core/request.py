@@ -34,6 +34,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: always prompt_token_ids + output_token_ids, kept to avoid a copy per step.
     all_token_ids: list[int] = field(init=False)
+    # Prompt tokens whose logprobs were sent (prompt_logprobs requests).
+    num_prompt_logprobs_reported: int = 0
     # Prefix-cache hashes of the full blocks of all_token_ids computed so far.
     block_hashes: list[bytes] = field(default_factory=list)
 
@@ -72,6 +74,7 @@ class Request:
         """The finish reason the newest output token triggers, if any."""
         token = self.output_token_ids[-1]
         params = self.sampling_params
+        # NOTE: the sampler masks EOS and stop ids until min_tokens is reached.
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:

@@ -150,7 +150,10 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=kv.block_ids(request.request_id),
                 num_computed_tokens=num_cached,
-                trace_headers=request.trace_headers))
+                trace_headers=request.trace_headers,
+                eos_token_ids=[] if request.sampling_params.ignore_eos
+                else sorted(request.eos_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens))
             output.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
@@ -160,22 +163,45 @@ class Scheduler:
         outputs = []
         finished = False
         for request_id in scheduler_output.num_scheduled_tokens:
-            token_id = runner_output.sampled_token_ids.get(request_id)
             request = self.requests.get(request_id)
-            if token_id is None or request is None:  # partial prefill, or aborted since
+            if request is None:  # aborted since
+                continue
+            token_id = runner_output.sampled_token_ids.get(request_id)
+            prompt_logprobs = self._new_prompt_logprobs(
+                request, scheduler_output.num_scheduled_tokens[request_id],
+                runner_output.prompt_logprobs.get(request_id, []))
+            if token_id is None:  # a partial prefill chunk
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(request_id, [], None, request.num_cached_tokens,
+                                                    prompt_logprobs=prompt_logprobs))
                 continue
             request.append_output_token(token_id)
             reason = request.stop_reason_after_last_token(self.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
                 finished = True
+            logprobs = runner_output.logprobs.get(request_id)
             outputs.append(EngineCoreOutput(request_id, [token_id], reason,
-                                            request.num_cached_tokens))
+                                            request.num_cached_tokens,
+                                            new_logprobs=[logprobs] if logprobs else [],
+                                            prompt_logprobs=prompt_logprobs))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
     # ---- internals -------------------------------------------------------------
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, num_scheduled: int, chunk: list) -> list:
+        """Drops prompt logprobs already reported before a preemption made the
+        request recompute its prompt. chunk[j] is for prompt token start + 1 + j."""
+        if not chunk:
+            return chunk
+        start = request.num_computed_tokens - num_scheduled
+        chunk = chunk[max(0, request.num_prompt_logprobs_reported - start):]
+        request.num_prompt_logprobs_reported = max(request.num_prompt_logprobs_reported,
+                                                   start + num_scheduled)
+        return chunk
 
     def _pick_victim(self) -> Request:
         """FCFS: the most recently admitted; priority: the lowest priority (highest

@@ -1,53 +1,28 @@
-"""ModelRunner: keeps the persistent batch, prepares inputs, runs the model, samples."""
+"""ModelRunner: applies the step diff to the persistent batch, runs the model, samples."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from services.common import tracing
-from services.common.request_types import SamplingParams
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from services.worker.attention import AttentionMetadata
-from services.worker.sampler import Sampler
+from services.worker.input_batch import (InputBatch, RequestState, StepInputs,
+                                         build_sampling_metadata)
+from services.worker.sampler import Sampler, gather_logprobs
 
 _tracer = tracing.tracer(__name__)
 
 
-@dataclass
-class CachedRequestState:
-    """What the worker remembers of a request between steps."""
-
-    request_id: str
-    token_ids: list[int]  # prompt + every token sampled so far
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    span: object = field(default=None, repr=False)  # the request's span in this worker
-
-
-@dataclass
-class BatchInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    # Requests that sample this step (a partial prefill does not), and the row
-    # of the hidden states each one samples from.
-    sampling_request_ids: list[str]
-    logits_indices: torch.Tensor
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, max_model_len: int):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.vocab_size = model.config.vocab_size
         self.sampler = Sampler()
-        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(max_model_len, block_size, device)
         self.kv_caches: list[torch.Tensor] = []
 
     def kv_block_bytes(self) -> int:
@@ -65,29 +40,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(scheduler_output)
+        self.update_states(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput()
-        batch = self.prepare_inputs(scheduler_output)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        if not batch.sampling_request_ids:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        states = [self.requests[r] for r in batch.sampling_request_ids]
-        tokens = self.sampler(logits, [s.sampling_params for s in states],
-                              [s.generator for s in states]).tolist()
-        for state, token in zip(states, tokens):
-            state.token_ids.append(token)
-        return ModelRunnerOutput(dict(zip(batch.sampling_request_ids, tokens)))
+        step = self.input_batch.prepare(scheduler_output)
+        hidden = self.model(step.input_ids, step.positions, step.attn_metadata)
+        output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(step, hidden))
+        rows = step.rows[step.sampling]
+        if len(rows):
+            logits = self.model.compute_logits(hidden[step.logits_indices])
+            meta = build_sampling_metadata(self.input_batch, rows, self.vocab_size)
+            tokens, logprobs = self.sampler(logits, meta)
+            tokens = tokens.cpu().numpy()
+            self.input_batch.append_tokens(rows, tokens)
+            sampled_ids = [r for r, s in zip(step.request_ids, step.sampling) if s]
+            output.sampled_token_ids = dict(zip(sampled_ids, tokens.tolist()))
+            output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
+        return output
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, so: SchedulerOutput) -> None:
         """Applies the step's diff to the persistent batch."""
+        batch = self.input_batch
         for request_id in so.finished_request_ids:
-            state = self.requests.pop(request_id, None)
+            state = batch.remove(request_id)
             if state is not None and state.span is not None:
                 state.span.end()
         for new in so.new_requests:
-            old = self.requests.get(new.request_id)
+            old = batch.states[batch.row_of[new.request_id]] if new.request_id in batch.row_of \
+                else None
             span = old.span if old is not None else _tracer.start_span(
                 "worker.request", context=tracing.context_from_headers(new.trace_headers),
                 attributes={"gen_ai.request.id": new.request_id})
@@ -95,61 +75,35 @@ class ModelRunner:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
-            self.requests[new.request_id] = CachedRequestState(
-                new.request_id, list(new.prompt_token_ids), list(new.block_ids),
-                new.num_computed_tokens, new.sampling_params, generator, span)
+            batch.add(new, RequestState(new.request_id, new.sampling_params, new.eos_token_ids,
+                                        generator, span))
         for cached in so.cached_requests:
-            state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            batch.append_blocks(cached.request_id, cached.new_block_ids)
+            batch.set_num_computed(cached.request_id, cached.num_computed_tokens)
 
-    def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
-        """Model inputs for the step; advances each request's num_computed_tokens."""
-        bs = self.block_size
-        request_ids = list(so.num_scheduled_tokens)
-        input_ids, positions, slots, seq_lens, query_start_loc = [], [], [], [], [0]
-        sampling_request_ids, logits_indices = [], []
-        for request_id in request_ids:
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + so.num_scheduled_tokens[request_id]
-            pos = np.arange(start, end)
-            blocks = np.asarray(state.block_ids)
-            input_ids.append(state.token_ids[start:end])
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + end - start)
-            if end >= len(state.token_ids):  # prefill done: the last position samples
-                sampling_request_ids.append(request_id)
-                logits_indices.append(query_start_loc[-1] - 1)
-            state.num_computed_tokens = end
-
-        max_blocks = max(-(-n // bs) for n in seq_lens)
-        block_table = np.zeros((len(request_ids), max_blocks), dtype=np.int64)
-        for i, request_id in enumerate(request_ids):
-            ids = self.requests[request_id].block_ids[:max_blocks]
-            block_table[i, :len(ids)] = ids
-        query_lens = np.diff(query_start_loc)
-        decode_idx = np.flatnonzero(query_lens == 1)
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc, seq_lens=seq_lens,
-            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32,
-                                                device=self.device),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            max_query_len=int(query_lens.max()), max_seq_len=max(seq_lens),
-            block_table=torch.from_numpy(block_table).to(self.device),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
-            block_size=bs,
-            decode_request_indices=torch.from_numpy(decode_idx).to(self.device),
-            decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_idx],
-                                              dtype=torch.int64, device=self.device),
-            decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64,
-                                         device=self.device),
-            prefill_request_indices=np.flatnonzero(query_lens > 1).tolist())
-        return BatchInputs(
-            input_ids=torch.tensor([t for ids in input_ids for t in ids], dtype=torch.int64,
-                                   device=self.device),
-            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
-            attn_metadata=meta, sampling_request_ids=sampling_request_ids,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device))
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor):
+        """For requests asking for them: the logprob of each next prompt token at the
+        prompt positions computed this step (position p predicts token p + 1)."""
+        batch = self.input_batch
+        wanted = []
+        for i, (request_id, row) in enumerate(zip(step.request_ids, step.rows)):
+            k = batch.states[row].sampling_params.prompt_logprobs
+            start = step.starts[i]
+            end = min(start + step.query_start_loc[i + 1] - step.query_start_loc[i],
+                      batch.num_prompt_tokens[row] - 1)
+            if k is not None and end > start:
+                wanted.append((request_id, row, k, start, end, step.query_start_loc[i]))
+        if not wanted:
+            return {}
+        hidden_idx = np.concatenate([np.arange(q, q + end - start)
+                                     for _, _, _, start, end, q in wanted])
+        targets = np.concatenate([batch.token_ids[row, start + 1:end + 1]
+                                  for _, row, _, start, end, _ in wanted])
+        num_top = [k for _, _, k, start, end, _ in wanted for _ in range(end - start)]
+        logprobs = self.model.compute_logits(hidden[torch.from_numpy(hidden_idx)]).log_softmax(-1)
+        results = gather_logprobs(logprobs, torch.from_numpy(targets), num_top)
+        out, offset = {}, 0
+        for request_id, _, _, start, end, _ in wanted:
+            out[request_id] = results[offset:offset + end - start]
+            offset += end - start
+        return out

@@ -1,49 +1,135 @@
-"""Sampler: picks one token per request from its logits, vectorized over the batch."""
+"""Sampler: one token per request from its logits, vectorized over a batch whose
+requests each have their own parameters.
+
+Order (as in vLLM v1): logprobs of the raw logits; min_tokens masking;
+repetition/presence/frequency penalties; then greedy argmax, or temperature,
+min-p, top-k/top-p and a draw.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
-from services.common.request_types import SamplingParams
+from services.common.request_types import Logprobs
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters as tensors ([B] unless noted)."""
+
+    temperature: torch.Tensor  # 0 for greedy rows
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    generators: list[torch.Generator | None]
+    # Rows still under min_tokens, and the token ids they must not produce yet.
+    min_tokens_masks: list[tuple[int, list[int]]]
+    # Penalties (None when no row uses any).
+    repetition_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    prompt_token_mask: torch.Tensor | None = None  # [B, V] bool: token in the prompt
+    output_token_counts: torch.Tensor | None = None  # [B, V]: times generated
+    # How many top logprobs each row wants; -1 = none.
+    num_logprobs: list[int] | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        """logits: [B, V] fp32 -> token ids [B]."""
-        greedy = torch.tensor([p.greedy for p in params])
-        argmax = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return argmax
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                                   dtype=logits.dtype)
-        logits = _apply_top_k_top_p(logits / temperature[:, None], params)
-        probs = logits.softmax(dim=-1)
-        sampled = _sample_exponential(probs, generators)
-        return torch.where(greedy, argmax, sampled)
+    def __call__(self, logits: torch.Tensor,
+                 meta: SamplingMetadata) -> tuple[torch.Tensor, list[Logprobs | None]]:
+        """logits: [B, V] fp32 -> token ids [B] and, per row, its logprobs (or None)."""
+        raw_logprobs = logits.log_softmax(dim=-1) if meta.num_logprobs else None
+        logits = apply_min_tokens(logits, meta.min_tokens_masks)
+        if meta.repetition_penalty is not None:
+            logits = apply_penalties(logits, meta)
+        tokens = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            tokens = torch.where(meta.temperature == 0, tokens, self._sample(logits, meta))
+        if raw_logprobs is None:
+            return tokens, [None] * len(tokens)
+        return tokens, gather_logprobs(raw_logprobs, tokens, meta.num_logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+        logits = logits / temperature[:, None]
+        if bool((meta.min_p > 0).any()):
+            logits = apply_min_p(logits, meta.min_p)
+        if bool((meta.top_k > 0).any()) or bool((meta.top_p < 1).any()):
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        return draw(logits.softmax(dim=-1), meta.generators)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    top_k = torch.tensor([p.top_k for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    if not bool((top_k > 0).any()) and not bool((top_p < 1.0).any()):
+def apply_min_tokens(logits: torch.Tensor, masks: list[tuple[int, list[int]]]) -> torch.Tensor:
+    if not masks:
         return logits
+    rows = torch.tensor([row for row, ids in masks for _ in ids], dtype=torch.int64)
+    cols = torch.tensor([t for _, ids in masks for t in ids], dtype=torch.int64)
+    return logits.index_put((rows, cols), torch.tensor(float("-inf")))
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """HF/vLLM semantics: repetition over prompt and output tokens (divide positive
+    logits, multiply negative ones); presence and frequency over output tokens."""
+    counts = meta.output_token_counts
+    generated = counts > 0
+    seen = meta.prompt_token_mask | generated
+    rep = meta.repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - meta.frequency_penalty[:, None] * counts
+            - meta.presence_penalty[:, None] * generated)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
-    remove = ranks >= k
+    remove = torch.arange(vocab)[None, :] >= k
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p.
+    # Drop a token once the more likely ones already reach top_p (the top one
+    # always stays).
     remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(
+        remove, float("-inf")))
 
 
-def _sample_exponential(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use their own generator,
-    so a seed gives the same tokens whatever else is in the batch."""
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows take their noise
+    from their own generator, so a seed gives the same tokens whatever else is in
+    the batch."""
     noise = torch.empty_like(probs).exponential_()
     for i, generator in enumerate(generators):
         if generator is not None:
             noise[i].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num_top: list[int]) -> list[Logprobs | None]:
+    """Each row's chosen-token logprob and rank, and its num_top best (-1: none)."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    k = max(num_top)
+    top = logprobs.topk(k, dim=-1) if k > 0 else None
+    out: list[Logprobs | None] = []
+    for i, n in enumerate(num_top):
+        if n < 0:
+            out.append(None)
+            continue
+        out.append(Logprobs(
+            token_id=int(token_ids[i]), logprob=float(chosen[i]), rank=int(ranks[i]),
+            top_token_ids=top.indices[i, :n].tolist() if n else [],
+            top_logprobs=top.values[i, :n].tolist() if n else []))
+    return out

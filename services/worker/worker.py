@@ -25,7 +25,8 @@ class Worker:
         torch.manual_seed(model_config.seed)
         dtype = resolve_dtype(model_config.dtype, self.device)
         model = load_model(model_config.model, dtype, model_config.max_model_len, self.device)
-        self.model_runner = ModelRunner(model, cache_config.block_size, self.device, dtype)
+        self.model_runner = ModelRunner(model, cache_config.block_size, self.device, dtype,
+                                        model_config.max_model_len)
         self.cache_config = cache_config
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=str(dtype).removeprefix("torch."),
                            kv_block_bytes=self.model_runner.kv_block_bytes())

@@ -38,7 +38,7 @@ def test_batched_greedy_is_token_identical_to_transformers(model_dir, tokenizer,
             stopped_by.add(expected)
         assert stopped_by == {FinishReason.STOP, FinishReason.LENGTH}  # both paths covered
         assert core.stats().num_used_kv_blocks == 0
-        assert core.executor.workers[0].model_runner.requests == {}
+        assert len(core.executor.workers[0].model_runner.input_batch) == 0
     finally:
         asyncio.run(client.close())
 

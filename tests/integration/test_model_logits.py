@@ -1,4 +1,5 @@
 """Our Llama implementation over the paged KV cache vs transformers, fp32."""
+import numpy as np
 import torch
 
 from services.common.request_types import SamplingParams
@@ -12,12 +13,12 @@ BLOCK_SIZE = 16
 
 def _run_step(runner: ModelRunner, so: SchedulerOutput) -> dict[str, torch.Tensor]:
     """Logits of every scheduled token, per request."""
-    runner._update_states(so)
-    batch = runner.prepare_inputs(so)
+    runner.update_states(so)
+    step = runner.input_batch.prepare(so)
     with torch.inference_mode():
         logits = runner.model.compute_logits(
-            runner.model(batch.input_ids, batch.positions, batch.attn_metadata))
-    qsl = batch.attn_metadata.query_start_loc
+            runner.model(step.input_ids, step.positions, step.attn_metadata))
+    qsl = step.attn_metadata.query_start_loc
     return {r: logits[qsl[i]:qsl[i + 1]] for i, r in enumerate(so.num_scheduled_tokens)}
 
 
@@ -26,7 +27,7 @@ def test_logits_match_transformers_on_mixed_paged_batch(model_dir, tokenizer, hf
     prefills the rest of B against its cached first chunk. Every position's
     logits must equal transformers' full forward pass."""
     model = load_model(model_dir, torch.float32, 512, torch.device("cpu"))
-    runner = ModelRunner(model, BLOCK_SIZE, torch.device("cpu"), torch.float32)
+    runner = ModelRunner(model, BLOCK_SIZE, torch.device("cpu"), torch.float32, 512)
     runner.init_kv_cache(32)
     a = tokenizer("The quick brown fox jumps over the lazy dog because")["input_ids"]
     b = tokenizer("In 1492, Columbus sailed the ocean blue. Many years later, "
@@ -39,7 +40,7 @@ def test_logits_match_transformers_on_mixed_paged_batch(model_dir, tokenizer, hf
                       NewRequestData("b", b, params, [10, 4, 9], 0)],
         num_scheduled_tokens={"a": len(a), "b": chunk})
     got1 = _run_step(runner, step1)
-    runner.requests["a"].token_ids.append(a_next)
+    runner.input_batch.append_tokens(np.array([runner.input_batch.row_of["a"]]), np.array([a_next]))
     step2 = SchedulerOutput(
         cached_requests=[CachedRequestData("a", [], len(a)), CachedRequestData("b", [], chunk)],
         num_scheduled_tokens={"a": 1, "b": len(b) - chunk})

@@ -1,0 +1,201 @@
+"""InputBatch: the worker's persistent batch, one row of arrays per live request.
+
+The engine core sends only a diff per step; rows are filled once and updated in
+place, and every per-step input (token ids, positions, slot mapping, block
+table, query start locations, sequence lengths) is gathered from the arrays
+with vectorized numpy, never a per-token Python loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import NewRequestData, SchedulerOutput
+from services.worker.attention import AttentionMetadata
+
+
+@dataclass
+class RequestState:
+    """What the arrays do not hold about a request."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    generator: torch.Generator | None
+    span: object = field(default=None, repr=False)  # the request's span in this worker
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    request_ids: list[str]  # scheduled requests, in batch order
+    rows: np.ndarray  # their rows in the InputBatch
+    query_start_loc: np.ndarray  # [B + 1]
+    starts: np.ndarray  # num_computed_tokens of each before this step
+    # Requests whose prompt is done after this step sample from their last position.
+    sampling: np.ndarray  # [B] bool
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        return torch.from_numpy(self.query_start_loc[1:][self.sampling] - 1)
+
+
+class InputBatch:
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device,
+                 capacity: int = 64):
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((capacity, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(capacity, dtype=np.int64)  # prompt + sampled so far
+        self.num_prompt_tokens = np.zeros(capacity, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(capacity, dtype=np.int64)
+        self.block_table = np.zeros((capacity, self.max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(capacity, dtype=np.int64)
+        self.states: list[RequestState | None] = [None] * capacity
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # ---- applying the step diff -------------------------------------------------
+
+    def add(self, new: NewRequestData, state: RequestState) -> None:
+        """Fills a row (replacing the request's old row after a preemption)."""
+        self.remove(new.request_id)
+        if not self._free_rows:
+            self._grow()
+        row = self._free_rows.pop()
+        self.row_of[new.request_id] = row
+        self.states[row] = state
+        n = len(new.prompt_token_ids)
+        self.token_ids[row, :n] = new.prompt_token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(new.request_id, new.block_ids)
+
+    def remove(self, request_id: str) -> RequestState | None:
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return None
+        state, self.states[row] = self.states[row], None
+        self._free_rows.append(row)
+        return state
+
+    def append_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        row = self.row_of[request_id]
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def set_num_computed(self, request_id: str, num_computed_tokens: int) -> None:
+        self.num_computed_tokens[self.row_of[request_id]] = num_computed_tokens
+
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+
+    def _grow(self) -> None:
+        old = len(self.states)
+        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens",
+                     "block_table", "num_blocks"):
+            array = getattr(self, name)
+            grown = np.zeros((2 * old,) + array.shape[1:], dtype=array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        self.states += [None] * old
+        self._free_rows = list(range(2 * old - 1, old - 1, -1))
+
+    # ---- the step's inputs ----------------------------------------------------------
+
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        """Gathers the step's model inputs and advances num_computed_tokens."""
+        bs = self.block_size
+        request_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((self.row_of[r] for r in request_ids), dtype=np.int64,
+                           count=len(request_ids))
+        num_new = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
+                              count=len(request_ids))
+        starts = self.num_computed_tokens[rows]
+        seq_lens = starts + num_new
+        query_start_loc = np.concatenate(([0], np.cumsum(num_new)))
+        # Per token: its request's index in the batch, then its position.
+        token_req = np.repeat(np.arange(len(rows)), num_new)
+        positions = starts[token_req] + np.arange(query_start_loc[-1]) - query_start_loc[token_req]
+        token_rows = rows[token_req]
+        input_ids = self.token_ids[token_rows, positions]
+        slots = self.block_table[token_rows, positions // bs] * bs + positions % bs
+        self.num_computed_tokens[rows] = seq_lens
+
+        max_blocks = int(-(-seq_lens.max() // bs))
+        decode_idx = np.flatnonzero(num_new == 1)
+        to = lambda a, dtype=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
+            device=self.device, dtype=dtype)
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(),
+            query_start_loc_tensor=to(query_start_loc, torch.int32),
+            seq_lens_tensor=to(seq_lens, torch.int32),
+            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
+            block_table=to(self.block_table[rows, :max_blocks]),
+            slot_mapping=to(slots), block_size=bs,
+            decode_request_indices=to(decode_idx),
+            decode_token_indices=to(query_start_loc[decode_idx]),
+            decode_seq_lens=to(seq_lens[decode_idx]),
+            prefill_request_indices=np.flatnonzero(num_new > 1).tolist())
+        return StepInputs(input_ids=to(input_ids), positions=to(positions), attn_metadata=meta,
+                          request_ids=request_ids, rows=rows, query_start_loc=query_start_loc,
+                          starts=starts, sampling=seq_lens >= self.num_tokens[rows])
+
+
+def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
+                            vocab_size: int) -> "SamplingMetadata":
+    """The sampler's per-row tensors for the given rows."""
+    from services.worker.sampler import SamplingMetadata
+
+    states = [batch.states[r] for r in rows]
+    params = [s.sampling_params for s in states]
+    num_output = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    min_tokens_masks = [(i, s.eos_token_ids + s.sampling_params.stop_token_ids)
+                        for i, (s, n) in enumerate(zip(states, num_output))
+                        if n < s.sampling_params.min_tokens]
+    meta = SamplingMetadata(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        generators=[s.generator for s in states],
+        min_tokens_masks=[m for m in min_tokens_masks if m[1]],
+        num_logprobs=([-1 if p.logprobs is None else p.logprobs for p in params]
+                      if any(p.logprobs is not None for p in params) else None))
+    if any(p.uses_penalties for p in params):
+        meta.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
+        meta.presence_penalty = torch.tensor([p.presence_penalty for p in params])
+        meta.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
+        meta.prompt_token_mask, meta.output_token_counts = _token_histories(batch, rows, vocab_size)
+    return meta
+
+
+def _token_histories(batch: InputBatch, rows: np.ndarray, vocab_size: int):
+    """[B, V] 'in the prompt' mask and generated-token counts, by scatter."""
+    width = int(batch.num_tokens[rows].max())
+    tokens = torch.from_numpy(batch.token_ids[rows, :width])
+    positions = torch.arange(width)[None, :]
+    num_prompt = torch.from_numpy(batch.num_prompt_tokens[rows])[:, None]
+    num_tokens = torch.from_numpy(batch.num_tokens[rows])[:, None]
+    # Positions outside each part scatter into a spare column, dropped after.
+    spare = torch.full_like(tokens, vocab_size)
+    prompt_ids = torch.where(positions < num_prompt, tokens, spare)
+    output_ids = torch.where((positions >= num_prompt) & (positions < num_tokens), tokens, spare)
+    b = len(rows)
+    prompt_mask = torch.zeros(b, vocab_size + 1, dtype=torch.bool).scatter_(1, prompt_ids, True)
+    counts = torch.zeros(b, vocab_size + 1).scatter_add_(1, output_ids, torch.ones(b, width))
+    return prompt_mask[:, :vocab_size], counts[:, :vocab_size]
