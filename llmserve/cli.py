@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -17,9 +18,12 @@ def _serve(argv: list[str]) -> int:
                                      description="Start the frontend, engine core and worker.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--engine-replicas", type=int, default=1,
+                        help="engine cores (each with its own worker) behind the frontend")
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    stack = LocalStack(engine_config_from_args(args), host=args.host, port=args.port)
+    stack = LocalStack(engine_config_from_args(args), host=args.host, port=args.port,
+                       engine_replicas=args.engine_replicas)
     # Explicit handlers: a shell starts background jobs with SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_keyboard_interrupt)
@@ -41,33 +45,65 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _generate(argv: list[str]) -> int:
-    from llmserve.client import Client
+_SCALAR_SAMPLING_FLAGS = ["n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
+                          "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                          "seed", "logprobs", "prompt_logprobs"]
 
+
+def _generate(argv: list[str]) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from llmserve.client import Client
+    from services.common.sampling_params import SamplingParams
+
+    defaults = SamplingParams(max_tokens=256, temperature=0.0)
     parser = argparse.ArgumentParser(prog="llmserve generate",
                                      description="Stream a completion from a running server.")
     parser.add_argument("prompt")
     parser.add_argument("--address", default="127.0.0.1:50051")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int)
     parser.add_argument("--no-chat", action="store_true",
                         help="send the prompt as is instead of through the chat template")
+    parser.add_argument("--json", action="store_true",
+                        help="print every response message as a line of JSON")
+    parser.add_argument("--request-id")
+    parser.add_argument("--priority", type=int, default=0)
+    parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    for name in _SCALAR_SAMPLING_FLAGS:
+        default = getattr(defaults, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=default,
+                            type=float if isinstance(default, float) else int,
+                            help=f"default: {default}")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+                        default=[], help="a stop token id (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--include-stop-str-in-output", action="store_true")
+    parser.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false")
     args = parser.parse_args(argv)
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    if args.seed is not None:
-        sampling["seed"] = args.seed
+    params = SamplingParams(**{f: getattr(args, f) for f in _SCALAR_SAMPLING_FLAGS + [
+        "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+        "skip_special_tokens"]})
     inputs = ({"prompt": args.prompt} if args.no_chat
               else {"chat": [{"role": "user", "content": args.prompt}]})
+    texts: dict[int, list[str]] = {}
     with Client(args.address) as client:
         try:
-            for response in client.generate(**inputs, **sampling):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
+            for response in client.generate(**inputs, sampling=params, timeout=args.timeout,
+                                            request_id=args.request_id, priority=args.priority):
+                if args.json:
+                    print(json.dumps(MessageToDict(response)), flush=True)
+                elif params.n == 1:
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                else:
+                    texts.setdefault(response.index, []).append(response.text)
         except grpc.RpcError as e:
             print(f"\nllmserve: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    sys.stdout.write("\n")
+    for index in sorted(texts):
+        print(f"--- choice {index} ---\n{''.join(texts[index])}")
+    if not args.json and params.n == 1:
+        sys.stdout.write("\n")
     return 0
 
 

@@ -1,34 +1,72 @@
-"""A small Python client for the public Inference API."""
+"""Python clients for the public Inference API: `Client` (sync) and `AsyncClient`.
+
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("Hello", max_tokens=32, temperature=0):
+            print(chunk.text, end="")
+
+Sampling parameters are SamplingParams fields, given as keyword arguments or as
+`sampling=SamplingParams(...)`. Streams are iterators of GenerateResponse;
+cancelling one (`.cancel()`, or leaving an `async for`) aborts the request.
+"""
 from __future__ import annotations
 
-from typing import Iterator
+import dataclasses
+from typing import AsyncIterator, Iterator
 
 import grpc
 
+from services.common import convert
 from services.common.grpc_options import CHANNEL_OPTIONS
-from services.common.pb import common_pb2, inference_pb2, inference_pb2_grpc
+from services.common.pb import inference_pb2, inference_pb2_grpc
+from services.common.sampling_params import SamplingParams
+
+
+def build_generate_request(prompt: str | None = None, *, chat: list[dict] | None = None,
+                           token_ids: list[int] | None = None,
+                           sampling: SamplingParams | None = None,
+                           request_id: str | None = None, priority: int = 0,
+                           add_generation_prompt: bool = True,
+                           **sampling_kwargs) -> inference_pb2.GenerateRequest:
+    params = dataclasses.replace(sampling or SamplingParams(), **sampling_kwargs)
+    request = inference_pb2.GenerateRequest(
+        sampling_params=convert.sampling_params_to_proto(params), request_id=request_id,
+        priority=priority)
+    if prompt is not None:
+        request.prompt = prompt
+    if chat is not None:
+        request.chat.messages.extend(inference_pb2.ChatMessage(**m) for m in chat)
+        request.chat.add_generation_prompt = add_generation_prompt
+    if token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    return request
+
+
+def _tokenize_request(prompt: str | None, chat: list[dict] | None) -> inference_pb2.TokenizeRequest:
+    request = inference_pb2.TokenizeRequest()
+    if prompt is not None:
+        request.prompt = prompt
+    if chat is not None:
+        request.chat.messages.extend(inference_pb2.ChatMessage(**m) for m in chat)
+    return request
 
 
 class Client:
-    """Synchronous client; `generate` yields GenerateResponse messages as they stream."""
-
     def __init__(self, address: str = "127.0.0.1:50051"):
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
-    def generate(self, prompt: str | None = None, *, chat: list[dict] | None = None,
-                 token_ids: list[int] | None = None, timeout: float | None = None,
-                 request_id: str | None = None,
-                 **sampling) -> Iterator[inference_pb2.GenerateResponse]:
-        request = inference_pb2.GenerateRequest(
-            sampling_params=common_pb2.SamplingParams(**sampling), request_id=request_id)
-        if prompt is not None:
-            request.prompt = prompt
-        if chat is not None:
-            request.chat.messages.extend(inference_pb2.ChatMessage(**m) for m in chat)
-        if token_ids is not None:
-            request.token_ids.ids.extend(token_ids)
-        return self.stub.Generate(request, timeout=timeout)
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **kwargs) -> Iterator[inference_pb2.GenerateResponse]:
+        """A stream of responses (see build_generate_request for the arguments);
+        `.cancel()` on it aborts the request."""
+        return self.stub.Generate(build_generate_request(prompt, **kwargs), timeout=timeout)
+
+    def tokenize(self, prompt: str | None = None, *, chat: list[dict] | None = None) -> list[int]:
+        return list(self.stub.Tokenize(_tokenize_request(prompt, chat)).token_ids)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.stub.Detokenize(inference_pb2.DetokenizeRequest(
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens)).text
 
     def model_info(self) -> inference_pb2.ModelInfo:
         return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
@@ -41,3 +79,39 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str = "127.0.0.1:50051"):
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                       **kwargs) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Yields responses as they stream; leaving the loop early aborts the request."""
+        call = self.stub.Generate(build_generate_request(prompt, **kwargs), timeout=timeout)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()
+
+    async def tokenize(self, prompt: str | None = None, *,
+                       chat: list[dict] | None = None) -> list[int]:
+        return list((await self.stub.Tokenize(_tokenize_request(prompt, chat))).token_ids)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return (await self.stub.Detokenize(inference_pb2.DetokenizeRequest(
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens))).text
+
+    async def model_info(self) -> inference_pb2.ModelInfo:
+        return await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

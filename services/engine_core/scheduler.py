@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from services.common.config import CacheConfig, SchedulerConfig
-from services.common.errors import AlreadyExists, InvalidArgument
+from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from services.common.request_types import EngineCoreOutput, FinishReason
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
@@ -52,6 +52,9 @@ class Scheduler:
             raise InvalidArgument(
                 "prompt", f"has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
                 "which must leave room for at least one generated token")
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting "
+                                    f"(--max-waiting-requests); retry later")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

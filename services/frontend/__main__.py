@@ -5,16 +5,16 @@ import argparse
 import asyncio
 import os
 
-from transformers import AutoTokenizer, GenerationConfig
-
 from services.common import tracing
 from services.common.config import DEFAULT_MODEL
 from services.common.model_store import resolve_model
 from services.common.pb import inference_pb2, inference_pb2_grpc
 from services.common.server import ServiceServer, setup_logging
-from services.frontend.engine_client import EngineClient, GrpcEngineClient
+from services.frontend.engine_client import EngineClient
+from services.frontend.router import EngineRouter
 from services.frontend.processor import Processor
 from services.frontend.servicer import InferenceServicer
+from services.frontend.tokenizer import load_tokenizer
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
@@ -24,21 +24,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--port-file", help="write host:port here once serving")
-    parser.add_argument("--engine-core-address", required=True, help="host:port")
+    parser.add_argument("--engine-core-addresses", "--engine-core-address", required=True,
+                        help="comma-separated host:port of the engine-core replicas")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="model name or HF directory, for the tokenizer")
     return parser.parse_args(argv)
-
-
-def load_tokenizer(model_dir: str):
-    """The tokenizer and the token ids that end generation."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    if os.path.exists(os.path.join(model_dir, "generation_config.json")):
-        configured = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        eos.update(configured if isinstance(configured, list) else
-                   [] if configured is None else [configured])
-    return tokenizer, sorted(eos)
 
 
 async def build_servicer(engine: EngineClient, model: str) -> InferenceServicer:
@@ -49,8 +39,8 @@ async def build_servicer(engine: EngineClient, model: str) -> InferenceServicer:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    engine = GrpcEngineClient(args.engine_core_address)
-    await engine.wait_ready(120.0)
+    engine = EngineRouter(args.engine_core_addresses.split(","))
+    await engine.start(timeout_s=120.0)
     servicer = await build_servicer(engine, args.model)
     server = ServiceServer(SERVICE_NAME,
                            lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s))

@@ -1,10 +1,12 @@
 """Processor: turns user input (prompt, token ids or chat) into an engine-core request."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
-from services.common.request_types import EngineCoreRequest, EngineInfo, SamplingParams
+from services.common.request_types import EngineCoreRequest, EngineInfo
+from services.common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -37,21 +39,32 @@ class Processor:
             return list(token_ids)
         return self._render_chat(chat, add_generation_prompt)
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling_params: SamplingParams, trace_headers: dict[str, str],
-                     priority: int = 0) -> EngineCoreRequest:
+    def make_requests(self, request_id: str, prompt_token_ids: list[int],
+                      sampling_params: SamplingParams, trace_headers: dict[str, str],
+                      priority: int = 0) -> list[EngineCoreRequest]:
+        """One engine request per choice. With n > 1 they share the prompt, so all
+        but the first find its KV in the prefix cache; seeded choices get seed + i,
+        so the n completions differ yet are reproducible."""
         sampling_params.validate(self.engine_info.vocab_size)
         max_len = self.engine_info.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise InvalidArgument("input", f"the prompt has {len(prompt_token_ids)} tokens; the "
                                   f"model's max_model_len is {max_len} (prompt + output)")
-        return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                 sampling_params=sampling_params,
-                                 eos_token_ids=self.eos_token_ids, trace_headers=trace_headers,
-                                 priority=priority)
+        n = sampling_params.n
+        return [EngineCoreRequest(
+            request_id=request_id if n == 1 else f"{request_id}-{i}",
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=(sampling_params if sampling_params.seed is None else
+                             dataclasses.replace(sampling_params, seed=sampling_params.seed + i)),
+            eos_token_ids=self.eos_token_ids, trace_headers=trace_headers, priority=priority)
+            for i in range(n)]
 
-    def _check_token_ids(self, token_ids: list[int]) -> None:
-        if not token_ids:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        self._check_token_ids(token_ids, allow_empty=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _check_token_ids(self, token_ids: list[int], allow_empty: bool = False) -> None:
+        if not token_ids and not allow_empty:
             raise InvalidArgument("token_ids", "is empty")
         vocab = self.engine_info.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)

@@ -26,19 +26,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        elif rope_type in ("dynamic", "longrope"):
-            raise NotImplementedError(f"rope type {rope_type!r} is not supported yet")
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        inv_freq, scaling = rope_frequencies(config, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        # transformers scales cos and sin alike (yarn's attention factor), so the
+        # attention logits grow by scaling squared.
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
@@ -47,6 +40,32 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+# Rope types whose frequencies are fixed: cos/sin can be computed once for all
+# positions. "dynamic" and "longrope" change them with the sequence length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2], cos/sin scaling) for the config's rope,
+    as transformers computes them."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported; "
+                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    if 2 * inv_freq.numel() != head_dim:
+        raise NotImplementedError(f"partial rotary embedding ({2 * inv_freq.numel()} of "
+                                  f"{head_dim} dims) is not supported")
+    return inv_freq, float(scaling)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

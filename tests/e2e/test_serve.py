@@ -10,45 +10,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
     ProtoReflectionDescriptorDatabase
 
 from llmserve.client import Client
-from llmserve.launcher import LocalStack
-from services.common.config import CacheConfig, EngineConfig, ModelConfig
-from services.common.pb import engine_core_pb2, engine_core_pb2_grpc, inference_pb2
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from tests.e2e.conftest import address as _address
+from tests.e2e.conftest import engine_stats, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, model_dir):
-    log_dir = tmp_path_factory.mktemp("logs")
-    config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
-                          cache=CacheConfig(kv_cache_bytes=128 << 20))
-    local = LocalStack(config, port=0, log_dir=str(log_dir),
-                       env={"OTEL_TRACES_EXPORTER": "console"})
-    local.start(timeout_s=180)
-    yield local
-    local.stop()
-    for service in local.services:
-        assert service.process.returncode is not None
-
-
-def _address(stack, name):
-    return next(s.address for s in stack.services if s.name == name)
-
-
-def _engine_stats(stack):
-    with grpc.insecure_channel(_address(stack, "engine-core")) as channel:
-        return engine_core_pb2_grpc.EngineCoreStub(channel).GetStats(
-            engine_core_pb2.GetStatsRequest(), timeout=10)
-
-
-def _wait_all_blocks_free(stack, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = _engine_stats(stack)
-        if stats.num_used_kv_blocks == 0 and stats.num_running == 0:
-            return stats
-        assert time.monotonic() < deadline, f"KV blocks still held: {stats}"
-        time.sleep(0.05)
 
 
 def test_health_and_reflection_on_all_three(stack):
@@ -81,10 +47,10 @@ def test_stream_then_cancel_frees_every_block(stack, tokenizer):
                                  max_tokens=500, temperature=0, ignore_eos=True)
         for i, _ in enumerate(stream):
             if i == 5:
-                assert _engine_stats(stack).num_running == 1
+                assert engine_stats(stack).num_running == 1
                 stream.cancel()
                 break
-        stats = _wait_all_blocks_free(stack)
+        stats = wait_all_blocks_free(stack)
         assert stats.num_waiting == 0
 
 
@@ -95,7 +61,7 @@ def test_deadline_aborts_the_request(stack):
                                      ignore_eos=True, timeout=1.0):
                 pass
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_all_blocks_free(stack)
+    wait_all_blocks_free(stack)
 
 
 def test_bad_input_is_invalid_argument_and_harms_nobody(stack):
@@ -117,7 +83,7 @@ def test_bad_input_is_invalid_argument_and_harms_nobody(stack):
 def test_one_trace_spans_all_three_services(stack):
     with Client(_address(stack, "frontend")) as client:
         list(client.generate(prompt="Trace me", max_tokens=3, request_id="traced-request"))
-    _wait_all_blocks_free(stack)
+    wait_all_blocks_free(stack)
     time.sleep(0.5)  # the worker ends its span on the step after the request finished
 
     def trace_ids(name, span_name):

@@ -8,10 +8,22 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
+# Configs read from GGUF files name no architectures, only a model_type.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 
 def model_class_for(config):
-    for arch in getattr(config, "architectures", None) or []:
+    architectures = getattr(config, "architectures", None) or []
+    for arch in architectures:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
-    raise ValueError(f"unsupported architecture {config.architectures}; "
+    model_type = getattr(config, "model_type", None)
+    if not architectures and model_type in MODEL_TYPES:
+        return MODEL_REGISTRY[MODEL_TYPES[model_type]]
+    raise ValueError(f"unsupported architecture {architectures or model_type}; "
                      f"supported: {sorted(MODEL_REGISTRY)}")

@@ -24,6 +24,30 @@ class ArchFlags:
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
 
 
+def sliding_window(config) -> int | None:
+    """The attention window of the config's sliding-window layers, if it has any."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    # Without layer_types (Mistral) a window applies to every layer; Qwen2/3 name
+    # the layers that use it (none unless use_sliding_window).
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
+
+
+def check_supported(config, max_positions: int) -> None:
+    """Raises for what the model would otherwise compute wrongly without a word."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
+    window = sliding_window(config)
+    # A query attends to at most `window` keys, itself included: within
+    # max_positions <= window that is plain causal attention.
+    if window is not None and max_positions > window:
+        raise NotImplementedError(f"sliding-window attention (window {window}) is not supported;"
+                                  f" use max_model_len <= {window}")
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, max_positions: int, arch: ArchFlags, backend):
         super().__init__()
@@ -109,11 +133,13 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, max_positions: int, backend=None):
         super().__init__()
+        check_supported(config, max_positions)
         self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, max_positions, self.arch_flags(config),
                                 backend or TorchSDPABackend())
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
@@ -134,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            # Some tied checkpoints still store the head; the embedding is authoritative.
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             shard = None
             for ckpt_name, (packed_name, shard_name) in self.packed_modules_mapping.items():
@@ -150,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     param.weight_loader(param, tensor, shard)
             loaded.add(name)
-        missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        missing = set(params) - loaded
         if missing:
             raise KeyError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
 

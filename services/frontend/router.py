@@ -1,0 +1,109 @@
+"""EngineRouter: one EngineClient over several engine-core replicas.
+
+Each new request goes to the least-loaded healthy replica: the requests this
+frontend has in flight there plus the waiting queue the replica last reported.
+A replica that fails a call or a stats poll is taken out until a poll succeeds
+again; requests in flight on a replica that dies end with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from services.common.errors import LLMServeError, Unavailable
+from services.common.request_types import EngineStats
+from services.frontend.engine_client import EngineClient, GrpcEngineClient
+
+logger = logging.getLogger(__name__)
+
+
+class _Replica:
+    def __init__(self, client: GrpcEngineClient):
+        self.client = client
+        self.healthy = False
+        self.in_flight = 0
+        self.waiting = 0  # as last reported by the replica
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.waiting
+
+
+class EngineRouter(EngineClient):
+    def __init__(self, addresses: list[str], poll_interval_s: float = 0.5):
+        self.replicas = [_Replica(GrpcEngineClient(a)) for a in addresses]
+        self.poll_interval_s = poll_interval_s
+        self._owner: dict[str, _Replica] = {}
+        self._poller: asyncio.Task | None = None
+
+    async def start(self, timeout_s: float) -> None:
+        """Waits until every replica answers once, then keeps polling their load."""
+        await asyncio.gather(*(r.client.wait_ready(timeout_s) for r in self.replicas))
+        await self._poll_once()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def generate(self, request):
+        replica = self._pick()
+        replica.in_flight += 1
+        self._owner[request.request_id] = replica
+        try:
+            async for output in replica.client.generate(request):
+                yield output
+        except LLMServeError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                self._mark_down(replica, e)
+            raise
+        finally:
+            replica.in_flight -= 1
+            self._owner.pop(request.request_id, None)
+
+    async def abort(self, request_ids):
+        for request_id in request_ids:
+            replica = self._owner.get(request_id)
+            if replica is not None:
+                await replica.client.abort([request_id])
+
+    async def get_stats(self) -> EngineStats:
+        """The first healthy replica's stats (each replica serves its own)."""
+        return await self._pick().client.get_stats()
+
+    async def get_info(self):
+        return await self._pick().client.get_info()
+
+    async def close(self):
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await asyncio.gather(*(r.client.close() for r in self.replicas))
+
+    def _pick(self) -> _Replica:
+        healthy = [r for r in self.replicas if r.healthy]
+        if not healthy:
+            raise Unavailable("no engine core is reachable; retry later")
+        return min(healthy, key=lambda r: r.load)
+
+    def _mark_down(self, replica: _Replica, error: Exception) -> None:
+        if replica.healthy:
+            logger.warning("engine core %s is down: %s", replica.client.address, error)
+        replica.healthy = False
+
+    async def _poll_once(self) -> None:
+        async def poll(replica: _Replica) -> None:
+            try:
+                stats = await asyncio.wait_for(replica.client.get_stats(), self.poll_interval_s * 4)
+            except (LLMServeError, asyncio.TimeoutError) as e:
+                self._mark_down(replica, e)
+                return
+            if not replica.healthy:
+                logger.info("engine core %s is up", replica.client.address)
+            replica.healthy, replica.waiting = True, stats.num_waiting
+        await asyncio.gather(*(poll(r) for r in self.replicas))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self._poll_once()

@@ -1,0 +1,50 @@
+"""One three-process stack shared by the end-to-end tests (starting one takes seconds)."""
+import time
+
+import grpc
+import pytest
+
+from llmserve.launcher import LocalStack
+from services.common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+
+# Small limits so that tests can fill the batch and the waiting queue.
+MAX_NUM_SEQS = 8
+MAX_WAITING = 8
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory, model_dir):
+    log_dir = tmp_path_factory.mktemp("logs")
+    config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
+                          cache=CacheConfig(kv_cache_bytes=160 << 20),
+                          scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
+                                                    max_waiting_requests=MAX_WAITING))
+    local = LocalStack(config, port=0, log_dir=str(log_dir),
+                       env={"OTEL_TRACES_EXPORTER": "console"})
+    local.start(timeout_s=180)
+    yield local
+    local.stop()
+    for service in local.services:
+        assert service.process.returncode is not None
+
+
+def address(stack, name: str) -> str:
+    return next(s.address for s in stack.services if s.name == name)
+
+
+def engine_stats(stack, name: str = "engine-core"):
+    with grpc.insecure_channel(address(stack, name)) as channel:
+        return engine_core_pb2_grpc.EngineCoreStub(channel).GetStats(
+            engine_core_pb2.GetStatsRequest(), timeout=10)
+
+
+def wait_all_blocks_free(stack, name: str = "engine-core", timeout_s: float = 10.0):
+    """Polls until the engine core holds no KV block and runs nothing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine_stats(stack, name)
+        if stats.num_used_kv_blocks == 0 and stats.num_running == 0:
+            return stats
+        assert time.monotonic() < deadline, f"KV blocks still held: {stats}"
+        time.sleep(0.05)
