@@ -3,25 +3,17 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from services.common.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig,
-                                    SchedulerConfig)
+from services.common.config import DEFAULT_MODEL
 from services.common.sampling_params import SamplingParams
 from services.frontend.output_processor import RequestOutput
 from llmserve.llm_engine import LLMEngine, Prompt
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", max_model_len: int = 2048,
-                 kv_cache_gib: float = 1.0, seed: int = 0, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
-                 scheduling_policy: str = "fcfs"):
-        self.engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(kv_cache_bytes=int(kv_cache_gib * (1 << 30)),
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      policy=scheduling_policy)))
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        """LLM(model, dtype=..., max_model_len=..., kv_cache_gib=..., ...): see
+        llmserve.llm_engine.make_engine_config for every argument."""
+        self.engine = LLMEngine.create(model=model, **kwargs)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

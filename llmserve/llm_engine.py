@@ -6,7 +6,8 @@ import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
-from services.common.config import EngineConfig
+from services.common.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig,
+                                    SchedulerConfig)
 from services.common.errors import AlreadyExists
 from services.common.model_store import resolve_model
 from services.common.request_types import EngineCoreOutput, Logprobs
@@ -21,6 +22,21 @@ from services.worker.worker import Worker
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = str | list[int] | list[dict]
+
+
+def make_engine_config(model: str = DEFAULT_MODEL, dtype: str = "auto",
+                       max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0,
+                       enable_prefix_caching: bool = True, max_num_seqs: int = 128,
+                       max_num_batched_tokens: int = 2048,
+                       scheduling_policy: str = "fcfs") -> EngineConfig:
+    """An EngineConfig from the keyword arguments LLM and LLMEngine.create take."""
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+        cache=CacheConfig(kv_cache_bytes=int(kv_cache_gib * (1 << 30)),
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  policy=scheduling_policy))
 
 
 def make_inproc_engine_core(config: EngineConfig) -> EngineCore:
@@ -46,6 +62,14 @@ class _Request:
 
 
 class LLMEngine:
+    """Requests in, RequestOutputs out, one step at a time."""
+
+    @classmethod
+    def create(cls, **kwargs) -> "LLMEngine":
+        """LLMEngine.create(model=..., scheduling_policy="priority", ...): see
+        make_engine_config for the arguments."""
+        return cls(make_engine_config(**kwargs))
+
     def __init__(self, config: EngineConfig):
         self.core = make_inproc_engine_core(config)
         tokenizer, eos_token_ids = load_tokenizer(self.core.info.model_path)

@@ -1,0 +1,54 @@
+"""Two engine-core replicas behind one frontend: load is spread, and when one dies
+its requests end with UNAVAILABLE while new ones go to the other."""
+import concurrent.futures
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve.client import Client
+from llmserve.launcher import LocalStack
+from services.common.config import CacheConfig, EngineConfig, ModelConfig
+from tests.e2e.conftest import address, engine_stats
+
+pytestmark = pytest.mark.e2e
+ENGINES = ["engine-core-0", "engine-core-1"]
+
+
+def test_requests_spread_and_survive_a_dead_replica(tmp_path, model_dir):
+    config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
+                          cache=CacheConfig(kv_cache_bytes=128 << 20))
+    with LocalStack(config, port=0, log_dir=str(tmp_path), engine_replicas=2) as stack:
+        stack.start(timeout_s=240)
+        with Client(address(stack, "frontend")) as client:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda i: list(client.generate(f"Story {i}:", max_tokens=8)),
+                              range(4)))
+            assert all(engine_stats(stack, e).num_steps > 0 for e in ENGINES)
+
+            stream = client.generate("A very long story:", max_tokens=1500, ignore_eos=True)
+            next(stream)
+            busy = next(e for e in ENGINES if engine_stats(stack, e).num_running == 1)
+            next(s for s in stack.services if s.name == busy).process.send_signal(signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stream:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            survivor = next(e for e in ENGINES if e != busy)
+            before = engine_stats(stack, survivor).num_steps
+            for i in range(3):
+                assert list(client.generate(f"After {i}:", max_tokens=4))[-1].usage \
+                    .completion_tokens == 4
+            assert engine_stats(stack, survivor).num_steps > before
+
+
+def test_async_streaming_example_runs(stack):
+    example = Path(__file__).parents[2] / "examples" / "async_streaming.py"
+    out = subprocess.run([sys.executable, str(example), address(stack, "frontend")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("Q: ") == 3 and "Paris" in out.stdout
