@@ -76,10 +76,13 @@ class LocalStack:
 
     def _start_engine_core(self, replica: int, deadline: float) -> ServiceProcess:
         suffix = f"-{replica}" if self.engine_replicas > 1 else ""
-        worker = self._spawn(f"worker{suffix}", ["services.worker", "--host", "127.0.0.1"], 0,
-                             deadline)
+        tp = self.config.parallel.tensor_parallel_size
+        workers = [self._spawn(f"worker{suffix}" + (f"-rank{rank}" if tp > 1 else ""),
+                               ["services.worker", "--host", "127.0.0.1", "--rank", str(rank)], 0,
+                               deadline) for rank in range(tp)]
         return self._spawn(f"engine-core{suffix}", [
-            "services.engine_core", "--host", "127.0.0.1", "--worker-addresses", worker.address,
+            "services.engine_core", "--host", "127.0.0.1",
+            "--worker-addresses", ",".join(w.address for w in workers),
             *engine_args_to_argv(self.config)], 0, deadline)
 
     def __enter__(self) -> "LocalStack":

@@ -39,10 +39,21 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split across worker processes."""
+
+    tensor_parallel_size: int = 1
+    # Where the workers' torch.distributed group meets (tcp://host:port); the
+    # engine core picks one when empty.
+    distributed_init_method: str = ""
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d_cache.block_size)
     parser.add_argument("--kv-cache-gib", type=float, default=d_cache.kv_cache_bytes / (1 << 30),
                         help="KV cache size on CPU, in GiB (default: %(default)s)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="worker processes the model is split across")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn prefix caching off")
     parser.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs)
@@ -80,12 +93,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.policy,
                                   max_waiting_requests=args.max_waiting_requests),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
     )
 
 
 def engine_args_to_argv(config: EngineConfig) -> list[str]:
     """The flags that rebuild `config` in another process."""
-    m, c, s = config.model, config.cache, config.scheduler
+    m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
     return ["--model", m.model, "--dtype", m.dtype, "--max-model-len", str(m.max_model_len),
             "--seed", str(m.seed), "--block-size", str(c.block_size),
             "--kv-cache-gib", repr(c.kv_cache_bytes / (1 << 30)),
@@ -93,4 +107,5 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--scheduling-policy", s.policy,
             "--max-waiting-requests", str(s.max_waiting_requests),
+            "--tensor-parallel-size", str(p.tensor_parallel_size),
             *([] if c.enable_prefix_caching else ["--no-prefix-caching"])]

@@ -1,7 +1,7 @@
 """Proto <-> dataclass conversion: the only place it happens."""
 from __future__ import annotations
 
-from services.common.config import CacheConfig, ModelConfig
+from services.common.config import CacheConfig, ModelConfig, ParallelConfig
 from services.common.pb import common_pb2, engine_core_pb2, worker_pb2
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats, FinishReason, LoadedModel, Logprobs)
@@ -100,19 +100,22 @@ def engine_info_from_proto(pb: engine_core_pb2.EngineInfo) -> EngineInfo:
 
 # ---- worker ------------------------------------------------------------------------
 
-def load_model_request_to_proto(model: ModelConfig,
-                                cache: CacheConfig) -> worker_pb2.LoadModelRequest:
-    return worker_pb2.LoadModelRequest(model_path=model.model, dtype=model.dtype,
-                                       max_model_len=model.max_model_len,
-                                       block_size=cache.block_size,
-                                       kv_cache_bytes=cache.kv_cache_bytes, seed=model.seed)
+def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig,
+                                parallel: ParallelConfig) -> worker_pb2.LoadModelRequest:
+    return worker_pb2.LoadModelRequest(
+        model_path=model.model, dtype=model.dtype, max_model_len=model.max_model_len,
+        block_size=cache.block_size, kv_cache_bytes=cache.kv_cache_bytes, seed=model.seed,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        distributed_init_method=parallel.distributed_init_method)
 
 
 def load_model_request_from_proto(
-        pb: worker_pb2.LoadModelRequest) -> tuple[ModelConfig, CacheConfig]:
+        pb: worker_pb2.LoadModelRequest) -> tuple[ModelConfig, CacheConfig, ParallelConfig]:
     return (ModelConfig(model=pb.model_path, dtype=pb.dtype, max_model_len=pb.max_model_len,
                         seed=pb.seed),
-            CacheConfig(block_size=pb.block_size, kv_cache_bytes=pb.kv_cache_bytes))
+            CacheConfig(block_size=pb.block_size, kv_cache_bytes=pb.kv_cache_bytes),
+            ParallelConfig(tensor_parallel_size=pb.tensor_parallel_size,
+                           distributed_init_method=pb.distributed_init_method))
 
 
 def loaded_model_to_proto(m: LoadedModel) -> worker_pb2.LoadModelResponse:

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import socket
 
 from services.common import tracing
 from services.common.config import add_engine_args, engine_config_from_args
@@ -20,6 +21,15 @@ SERVICE_NAME = engine_core_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_na
 logger = logging.getLogger(__name__)
 
 
+def default_init_method(rank0_address: str) -> str:
+    """tcp://<rank 0's host>:<a port free here>: right when the workers run on this
+    host (llmserve serve); elsewhere pass --distributed-init-method."""
+    host = rank0_address.rsplit(":", 1)[0]
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmserve engine-core", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
@@ -27,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--worker-addresses", required=True,
                         help="comma-separated host:port of the workers, rank 0 first")
+    parser.add_argument("--distributed-init-method", default="",
+                        help="where the workers' torch.distributed group meets "
+                             "(default: tcp://<rank 0 host>:<free port>)")
     add_engine_args(parser)
     return parser.parse_args(argv)
 
@@ -34,7 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     config.model = dataclasses.replace(config.model, model=resolve_model(config.model.model))
-    executor = GrpcExecutor(args.worker_addresses.split(","))
+    worker_addresses = args.worker_addresses.split(",")
+    config.parallel.distributed_init_method = (args.distributed_init_method
+                                               or default_init_method(worker_addresses[0]))
+    executor = GrpcExecutor(worker_addresses)
     await asyncio.to_thread(executor.wait_ready, 120.0)
     core = await asyncio.to_thread(EngineCore, config, executor)
     engine = EngineLoop(core)

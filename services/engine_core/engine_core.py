@@ -20,7 +20,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor):
         self.config = config
         self.executor = executor
-        loaded = executor.load_model(config.model, config.cache)
+        loaded = executor.load_model(config.model, config.cache, config.parallel)
         num_blocks = executor.determine_num_kv_blocks()
         executor.init_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache,

@@ -5,7 +5,7 @@ import abc
 import grpc
 
 from services.common import convert
-from services.common.config import CacheConfig, ModelConfig
+from services.common.config import CacheConfig, ModelConfig, ParallelConfig
 from services.common.grpc_options import CHANNEL_OPTIONS
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.request_types import LoadedModel
@@ -16,7 +16,8 @@ class Executor(abc.ABC):
     """Runs each step on every worker and returns rank 0's result."""
 
     @abc.abstractmethod
-    def load_model(self, model_config: ModelConfig, cache_config: CacheConfig) -> LoadedModel: ...
+    def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
+                   parallel_config: ParallelConfig) -> LoadedModel: ...
 
     @abc.abstractmethod
     def determine_num_kv_blocks(self) -> int:
@@ -38,8 +39,11 @@ class InprocExecutor(Executor):
     def __init__(self, workers):
         self.workers = workers
 
-    def load_model(self, model_config, cache_config):
-        return [w.load_model(model_config, cache_config) for w in self.workers][0]
+    def load_model(self, model_config, cache_config, parallel_config):
+        if parallel_config.tensor_parallel_size != 1 or len(self.workers) != 1:
+            raise ValueError("in-process execution runs one worker; tensor parallelism needs "
+                             "worker processes (llmserve serve --tensor-parallel-size N)")
+        return self.workers[0].load_model(model_config, cache_config, parallel_config)
 
     def determine_num_kv_blocks(self):
         return min(w.determine_num_kv_blocks() for w in self.workers)
@@ -70,9 +74,13 @@ class GrpcExecutor(Executor):
                    for stub in self.stubs]
         return [f.result() for f in futures]
 
-    def load_model(self, model_config, cache_config):
+    def load_model(self, model_config, cache_config, parallel_config):
+        if parallel_config.tensor_parallel_size != len(self.stubs):
+            raise ValueError(f"tensor_parallel_size is {parallel_config.tensor_parallel_size} "
+                             f"but {len(self.stubs)} worker addresses were given")
+        # Every rank joins the process group inside LoadModel: the calls run concurrently.
         responses = self._call_all("LoadModel", convert.load_model_request_to_proto(
-            model_config, cache_config))
+            model_config, cache_config, parallel_config))
         return convert.loaded_model_from_proto(responses[0])
 
     def determine_num_kv_blocks(self):

@@ -1,4 +1,6 @@
-"""Building blocks of the Llama-family models: norms, rotary embedding, packed linears."""
+"""Building blocks of the Llama-family models: norms, rotary embedding, activation.
+
+The (tensor-parallel) linear layers are in linear.py."""
 from __future__ import annotations
 
 import torch
@@ -72,30 +74,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-class PackedLinear(nn.Linear):
-    """One matmul for several projections (q/k/v, gate/up) stored side by side.
-
-    Checkpoints hold them separately; `weight_loader` copies each shard into place.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
-        for param in self.parameters():
-            param.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
-        offset, size = self.shard_offsets[shard]
-        param.data.narrow(0, offset, size).copy_(loaded)
-
-    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(x.split([size for _, size in self.shard_offsets.values()], dim=-1))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

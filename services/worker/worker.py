@@ -5,11 +5,12 @@ import logging
 
 import torch
 
-from services.common.config import CacheConfig, ModelConfig
+from services.common.config import CacheConfig, ModelConfig, ParallelConfig
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.model_loader import load_model, resolve_dtype
 from services.worker.model_runner import ModelRunner
+from services.worker.parallel import init_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +22,14 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.cache_config: CacheConfig | None = None
 
-    def load_model(self, model_config: ModelConfig, cache_config: CacheConfig) -> LoadedModel:
+    def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
+                   parallel_config: ParallelConfig = ParallelConfig()) -> LoadedModel:
+        # The same seed on every rank: all ranks draw the same tokens.
         torch.manual_seed(model_config.seed)
+        tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
+                              parallel_config.distributed_init_method, self.device)
         dtype = resolve_dtype(model_config.dtype, self.device)
-        model = load_model(model_config.model, dtype, model_config.max_model_len, self.device)
+        model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp)
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, dtype,
                                         model_config.max_model_len)
         self.cache_config = cache_config

@@ -31,7 +31,7 @@ class FakeExecutor(Executor):
         self.block_size = block_size
         self.requests: dict[str, dict] = {}
 
-    def load_model(self, model_config, cache_config):
+    def load_model(self, model_config, cache_config, parallel_config):
         return LoadedModel(vocab_size=VOCAB_SIZE, dtype="float32", kv_block_bytes=1)
 
     def determine_num_kv_blocks(self):

@@ -12,7 +12,10 @@ import torch
 from torch import nn
 
 from services.worker.attention import AttentionMetadata, TorchSDPABackend
-from services.worker.layers import PackedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+from services.worker.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from services.worker.linear import (PackedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                    VocabParallelEmbedding)
+from services.worker.parallel import SINGLE, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -49,16 +52,19 @@ def check_supported(config, max_positions: int) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, max_positions: int, arch: ArchFlags, backend):
+    """Self-attention over this rank's share of the heads."""
+
+    def __init__(self, config, max_positions: int, arch: ArchFlags, backend, tp: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.num_heads = tp.divide(num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.divide(num_kv_heads, "num_key_value_heads")
         self.scale = self.head_dim ** -0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=arch.o_bias)
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.qkv_proj = PackedColumnParallelLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=arch.qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=arch.o_bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
@@ -79,22 +85,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = PackedColumnParallelLinear(
+            config.hidden_size, {"gate": size, "up": size}, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, max_positions: int, arch: ArchFlags, backend):
+    def __init__(self, config, max_positions: int, arch: ArchFlags, backend, tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(config, max_positions, arch, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, max_positions, arch, backend, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -104,11 +111,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_positions: int, arch: ArchFlags, backend):
+    def __init__(self, config, max_positions: int, arch: ArchFlags, backend, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, max_positions, arch, backend)
+            LlamaDecoderLayer(config, max_positions, arch, backend, tp)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -131,14 +138,14 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(config, "attention_bias", False)
         return ArchFlags(qkv_bias=bias, o_bias=bias)
 
-    def __init__(self, config, max_positions: int, backend=None):
+    def __init__(self, config, max_positions: int, backend=None, tp: TensorParallel = SINGLE):
         super().__init__()
         check_supported(config, max_positions)
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, max_positions, self.arch_flags(config),
-                                backend or TorchSDPABackend())
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                                backend or TorchSDPABackend(), tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -171,11 +178,14 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[name]
+            loader = getattr(param, "weight_loader", None)
             with torch.no_grad():
-                if shard is None:
+                if shard is not None:
+                    loader(param, tensor, shard)
+                elif loader is not None:
+                    loader(param, tensor)
+                else:  # replicated on every rank (norms)
                     param.copy_(tensor)
-                else:
-                    param.weight_loader(param, tensor, shard)
             loaded.add(name)
         missing = set(params) - loaded
         if missing:

@@ -1,0 +1,81 @@
+"""The benchmark entry point (`make bench`, `python -m bench`): runs the default
+set, prints a Markdown table and writes it, with the JSON, to bench/results/.
+
+    .venv/bin/python -m bench                      # the default set (< 10 min on 2 cores)
+    .venv/bin/python -m bench --quick              # a smaller set, about a minute
+    .venv/bin/python -m bench --requests 2 --prompt-len 8 --output-len 4 \\
+        --single-stream-len 8 --concurrency 1,2    # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from bench.report import to_markdown, write_results
+from bench.settings import Settings
+
+QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64,
+             concurrency="1,8", baseline_b1_requests=2)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parser() -> argparse.ArgumentParser:
+    d = Settings()
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"smaller defaults: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
+    p.add_argument("--model", default=d.model, help="HF directory (default: the default model)")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=d.seed, help="of the prompts")
+    p.add_argument("--requests", type=int, default=d.requests, help="offline and batched baseline")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--single-stream-len", type=int, default=d.single_stream_len,
+                   help="output tokens of the single-stream request")
+    p.add_argument("--concurrency", type=_int_list, default=",".join(map(str, d.concurrency)),
+                   help="closed-loop client counts, comma-separated (default: %(default)s)")
+    p.add_argument("--serving-requests", type=int, default=d.serving_requests,
+                   help="requests per concurrency level (default: max(2 × concurrency, 8))")
+    p.add_argument("--request-rate", type=float, default=d.request_rate,
+                   help="also run Poisson arrivals at this many requests/s")
+    p.add_argument("--rate-requests", type=int, default=d.rate_requests,
+                   help="requests of the Poisson run")
+    p.add_argument("--baseline-b1-requests", type=int, default=d.baseline_b1_requests,
+                   help="prompts run at batch 1 by transformers for the latency baseline")
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--skip-offline", action="store_true", help="no offline or single-stream run")
+    p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
+    p.add_argument("--skip-baseline", action="store_true", help="no transformers run (no ratios)")
+    p.add_argument("--out-dir", default=d.out_dir, help="where latest.json and latest.md go")
+    return p
+
+
+def parse_settings(argv: list[str]) -> Settings:
+    p = parser()
+    if p.parse_args(argv).quick:
+        p.set_defaults(**QUICK)
+    args = vars(p.parse_args(argv))
+    args.pop("quick")
+    return Settings(**args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.run import run
+
+    argv = sys.argv[1:] if argv is None else argv
+    settings = parse_settings(argv)
+    results = run(settings, shlex.join(["python", "-m", "bench", *argv]))
+    markdown = to_markdown(results)
+    json_path, md_path = write_results(results, markdown, settings.out_dir)
+    print("\n" + markdown)
+    print(f"written: {json_path}, {md_path}")
+
+
+if __name__ == "__main__":
+    main()

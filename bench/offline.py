@@ -1,0 +1,53 @@
+"""llmserve in this process: offline throughput through `LLM.generate`, and one
+request stepped alone (single-stream decode)."""
+from __future__ import annotations
+
+import time
+
+from bench.metrics import RequestTiming, single_stream_summary
+from llmserve.llm import LLM
+from services.common.sampling_params import SamplingParams
+
+
+def greedy(output_len: int) -> SamplingParams:
+    """Greedy, and always exactly output_len tokens."""
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+
+
+def load_llm(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len: int) -> LLM:
+    return LLM(model_dir, dtype=dtype, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
+
+
+def warm_up(llm: LLM, prompts: list[list[int]]) -> None:
+    """A short batched run, so one-time costs are not timed."""
+    llm.generate(prompts, greedy(4), use_tqdm=False)
+
+
+def run_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
+    """All prompts through one LLM.generate call."""
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, greedy(output_len), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    output_tokens = len(prompts) * output_len
+    prompt_tokens = sum(map(len, prompts))
+    return {"requests": len(prompts), "seconds": seconds, "output_tokens": output_tokens,
+            "output_tok_s": output_tokens / seconds,
+            "total_tok_s": (output_tokens + prompt_tokens) / seconds}
+
+
+def run_single_stream(llm: LLM, prompt: list[int], output_len: int) -> dict:
+    """One request alone, stepping the engine to time every token."""
+    engine = llm.engine
+    timing = RequestTiming()
+    request_id = engine.add_request("single-stream", prompt, greedy(output_len))
+    seen = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                num_tokens = len(output.outputs[0].token_ids)
+                timing.add(num_tokens - seen)
+                seen = num_tokens
+    timing.finish()
+    assert seen == output_len, seen
+    return single_stream_summary(timing)

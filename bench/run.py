@@ -1,0 +1,106 @@
+"""One benchmark run: the baseline, offline throughput, single-stream decode and
+serving, in that order, each a timed phase; returns the results as a dict."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import os
+
+from bench import prompts as P
+from bench.machine import load_average, machine_info
+from bench.progress import Phases
+from bench.report import add_ratios
+from bench.settings import Settings
+from services.common.config import DEFAULT_MODEL
+from services.common.model_store import resolve_model
+
+
+def _tok_s(row: dict) -> str:
+    return f"{row['output_tok_s']:.1f} output tok/s"
+
+
+def run_baseline(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
+    from bench.baseline import HFBaseline
+
+    vocab = P.vocab_size(model_dir)
+    offline = P.make_prompts(s.requests, s.prompt_len, vocab, s.seed, P.OFFLINE)
+    single = P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0]
+    base = results["baseline"] = {}
+    with phases("baseline: load transformers"):
+        hf = HFBaseline(model_dir, s.dtype)
+        hf.batch1(offline[:1], 2)  # warm-up
+    with phases(f"baseline: transformers batched, {s.requests} requests"):
+        base["hf_batched"] = hf.batched(offline, s.output_len)
+        phases.note = _tok_s(base["hf_batched"])
+    n = min(s.baseline_b1_requests, s.requests)
+    with phases(f"baseline: transformers batch 1, {n} requests"):
+        base["hf_batch1"] = hf.batch1(offline[:n], s.output_len)
+        phases.note = _tok_s(base["hf_batch1"])
+    with phases(f"baseline: transformers single stream, {s.single_stream_len} tokens"):
+        base["hf_single_stream"] = hf.single_stream(single, s.single_stream_len)
+        phases.note = _tok_s(base["hf_single_stream"])
+
+
+def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
+    from bench import offline
+
+    vocab = P.vocab_size(model_dir)
+    with phases("offline: load llmserve"):
+        llm = offline.load_llm(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len)
+        offline.warm_up(llm, P.make_prompts(4, s.prompt_len, vocab, s.seed, P.WARMUP))
+    with phases(f"offline: LLM.generate, {s.requests} requests"):
+        results["offline"] = offline.run_offline(
+            llm, P.make_prompts(s.requests, s.prompt_len, vocab, s.seed, P.OFFLINE), s.output_len)
+        phases.note = _tok_s(results["offline"])
+    with phases(f"single stream: {s.single_stream_len} tokens"):
+        results["single_stream"] = offline.run_single_stream(
+            llm, P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0],
+            s.single_stream_len)
+        phases.note = _tok_s(results["single_stream"])
+
+
+def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
+    from bench import serving
+    from bench.stack import frontend_address, serving_stack
+
+    vocab = P.vocab_size(model_dir)
+    rows = results["serving"] = []
+    with serving_stack(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len) as stack:
+        address = frontend_address(stack)
+        with phases("serving: start the stack"):
+            serving.warm_up(address, P.make_prompts(4, s.prompt_len, vocab, s.seed, P.WARMUP))
+        for i, c in enumerate(s.concurrency):
+            prompts = P.make_prompts(s.level_requests(c), s.prompt_len, vocab, s.seed,
+                                     P.SERVING + i)
+            with phases(f"serving: concurrency {c}, {len(prompts)} requests"):
+                rows.append(serving.run_closed_loop(address, prompts, s.output_len, c))
+                phases.note = _tok_s(rows[-1])
+        if s.request_rate:
+            prompts = P.make_prompts(s.rate_requests, s.prompt_len, vocab, s.seed,
+                                     P.SERVING + len(s.concurrency))
+            with phases(f"serving: Poisson {s.request_rate:g} req/s, {len(prompts)} requests"):
+                rows.append(serving.run_poisson(address, prompts, s.output_len,
+                                                s.request_rate, s.seed))
+                phases.note = _tok_s(rows[-1])
+
+
+def run(s: Settings, command: str) -> dict:
+    """Every phase the settings ask for, then the ratios to the baseline."""
+    phases = Phases()
+    model_dir = resolve_model(s.model or DEFAULT_MODEL)
+    results: dict = {"meta": {
+        "command": command, "model_name": os.path.basename(model_dir.rstrip("/")),
+        "model_dir": model_dir, "load_before": load_average(),
+        "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        **machine_info()}, "settings": dataclasses.asdict(s)}
+    steps = [(s.skip_baseline, run_baseline), (s.skip_offline, run_offline),
+             (s.skip_serving, run_serving)]
+    for skip, step in steps:
+        if not skip:
+            step(s, model_dir, phases, results)
+            gc.collect()  # drop one phase's model before the next loads its own
+    results["meta"]["load_after"] = load_average()
+    results["phases"] = phases.seconds
+    add_ratios(results)
+    return results

@@ -1,0 +1,43 @@
+"""What one benchmark run measures: sizes, phases to run, where results go."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The issue's default set; `--quick` and the flags shrink it.
+DEFAULT_CONCURRENCY = (1, 8, 32, 64)
+# Closed-loop requests per concurrency level: max(REQUESTS_PER_CLIENT * c, MIN_LEVEL_REQUESTS).
+REQUESTS_PER_CLIENT = 2
+MIN_LEVEL_REQUESTS = 8
+
+
+@dataclass
+class Settings:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    dtype: str = "float32"
+    seed: int = 0
+    # Offline throughput (and the batched transformers baseline).
+    requests: int = 64
+    prompt_len: int = 128
+    output_len: int = 128
+    # Single-stream decode (and the batch-1 transformers baseline of it).
+    single_stream_len: int = 256
+    # Serving: closed-loop streaming clients; optional Poisson arrivals.
+    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
+    serving_requests: int | None = None  # per level; None: see level_requests
+    request_rate: float | None = None  # requests/s; None: no Poisson run
+    rate_requests: int = 32
+    # Batch-1 transformers runs for the latency baselines (batch 1 on all
+    # `requests` prompts would not fit the time budget).
+    baseline_b1_requests: int = 4
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 2048
+    skip_offline: bool = False
+    skip_serving: bool = False
+    skip_baseline: bool = False
+    out_dir: str = "bench/results"
+
+    def level_requests(self, concurrency: int) -> int:
+        """Requests sent at one closed-loop concurrency level."""
+        if self.serving_requests is not None:
+            return self.serving_requests
+        return max(REQUESTS_PER_CLIENT * concurrency, MIN_LEVEL_REQUESTS)

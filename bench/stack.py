@@ -1,0 +1,35 @@
+"""The three-process gRPC stack (worker, engine core, frontend) the serving
+benchmark runs against, started and stopped by the benchmark."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator
+
+from llmserve.launcher import LocalStack
+from services.common.config import CacheConfig, EngineConfig, ModelConfig
+
+
+@contextmanager
+def serving_stack(model_dir: str, dtype: str, kv_cache_gib: float,
+                  max_model_len: int) -> Iterator[LocalStack]:
+    """A started LocalStack on free ports; its logs are kept only if something fails."""
+    log_dir = tempfile.mkdtemp(prefix="llmserve-bench-")
+    config = EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype,
+                                            max_model_len=max_model_len),
+                          cache=CacheConfig(kv_cache_bytes=int(kv_cache_gib * (1 << 30))))
+    stack = LocalStack(config, port=0, log_dir=log_dir)
+    try:
+        stack.start(timeout_s=300)
+        yield stack
+    except BaseException:
+        print(f"[bench] serving stack failed; its logs are in {log_dir}", flush=True)
+        raise
+    finally:
+        stack.stop()
+    shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def frontend_address(stack: LocalStack) -> str:
+    return next(s.address for s in stack.services if s.name == "frontend")

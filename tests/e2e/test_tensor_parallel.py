@@ -1,0 +1,55 @@
+"""Tensor parallelism through real processes: greedy output with TP=2 equals TP=1.
+
+The default model's 9 attention heads cannot be split in two, so this uses a tiny
+random Llama (4 heads, 2 KV heads) with the default model's tokenizer."""
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from llmserve.client import Client
+from llmserve.launcher import LocalStack
+from services.common.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from tests.e2e.conftest import address, wait_all_blocks_free
+from tests.integration.tiny_models import tiny_hf_model
+
+pytestmark = pytest.mark.e2e
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, model_dir):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+    tiny_hf_model(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(model_dir) / name, path / name)
+    return str(path)
+
+
+def greedy_outputs(model: str, tp: int, log_dir: Path) -> list[list[int]]:
+    config = EngineConfig(model=ModelConfig(model=model, dtype="float32", max_model_len=512),
+                          cache=CacheConfig(kv_cache_bytes=16 << 20),
+                          parallel=ParallelConfig(tensor_parallel_size=tp))
+    with LocalStack(config, port=0, log_dir=str(log_dir)) as stack:
+        stack.start(timeout_s=180)
+        assert sum(s.name.startswith("worker") for s in stack.services) == tp
+        with Client(address(stack, "frontend")) as client:
+            outputs = [[t for r in client.generate(p, max_tokens=16, temperature=0,
+                                                   ignore_eos=True) for t in r.token_ids]
+                       for p in PROMPTS]
+        wait_all_blocks_free(stack)
+    return outputs
+
+
+def test_tp2_greedy_equals_tp1(tiny_model_dir, tmp_path):
+    (tmp_path / "tp1").mkdir()
+    (tmp_path / "tp2").mkdir()
+    single = greedy_outputs(tiny_model_dir, 1, tmp_path / "tp1")
+    split = greedy_outputs(tiny_model_dir, 2, tmp_path / "tp2")
+    assert all(len(o) == 16 for o in single)
+    assert split == single
