@@ -15,6 +15,10 @@ class ModelConfig:
     dtype: str = "auto"  # "auto" picks bf16 where the CPU has it, else fp32
     max_model_len: int = 2048
     seed: int = 0
+    # "auto": flash_attn on CUDA when flash-attn is installed, torch_sdpa otherwise.
+    attention_backend: str = "auto"
+    # CUDA: run every step eagerly instead of replaying CUDA graphs for decodes.
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -23,6 +27,8 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30  # CPU: memory given to the KV cache
+    # CUDA: the share of GPU memory for weights, activations and KV cache.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
 
@@ -65,6 +71,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-model-len", type=int, default=d_model.max_model_len)
     parser.add_argument("--seed", type=int, default=d_model.seed)
+    parser.add_argument("--attention-backend", default=d_model.attention_backend,
+                        choices=["auto", "torch_sdpa", "flash_attn"])
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: no CUDA graphs for decode steps")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=d_cache.gpu_memory_utilization)
     parser.add_argument("--block-size", type=int, default=d_cache.block_size)
     parser.add_argument("--kv-cache-gib", type=float, default=d_cache.kv_cache_bytes / (1 << 30),
                         help="KV cache size on CPU, in GiB (default: %(default)s)")
@@ -85,9 +97,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype,
-                          max_model_len=args.max_model_len, seed=args.seed),
+                          max_model_len=args.max_model_len, seed=args.seed,
+                          attention_backend=args.attention_backend,
+                          enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -101,7 +116,10 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
     """The flags that rebuild `config` in another process."""
     m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
     return ["--model", m.model, "--dtype", m.dtype, "--max-model-len", str(m.max_model_len),
-            "--seed", str(m.seed), "--block-size", str(c.block_size),
+            "--seed", str(m.seed), "--attention-backend", m.attention_backend,
+            *(["--enforce-eager"] if m.enforce_eager else []),
+            "--gpu-memory-utilization", repr(c.gpu_memory_utilization),
+            "--block-size", str(c.block_size),
             "--kv-cache-gib", repr(c.kv_cache_bytes / (1 << 30)),
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),

@@ -105,6 +105,8 @@ def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig,
     return worker_pb2.LoadModelRequest(
         model_path=model.model, dtype=model.dtype, max_model_len=model.max_model_len,
         block_size=cache.block_size, kv_cache_bytes=cache.kv_cache_bytes, seed=model.seed,
+        attention_backend=model.attention_backend, enforce_eager=model.enforce_eager,
+        gpu_memory_utilization=cache.gpu_memory_utilization,
         tensor_parallel_size=parallel.tensor_parallel_size,
         distributed_init_method=parallel.distributed_init_method)
 
@@ -112,8 +114,10 @@ def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig,
 def load_model_request_from_proto(
         pb: worker_pb2.LoadModelRequest) -> tuple[ModelConfig, CacheConfig, ParallelConfig]:
     return (ModelConfig(model=pb.model_path, dtype=pb.dtype, max_model_len=pb.max_model_len,
-                        seed=pb.seed),
-            CacheConfig(block_size=pb.block_size, kv_cache_bytes=pb.kv_cache_bytes),
+                        seed=pb.seed, attention_backend=pb.attention_backend,
+                        enforce_eager=pb.enforce_eager),
+            CacheConfig(block_size=pb.block_size, kv_cache_bytes=pb.kv_cache_bytes,
+                        gpu_memory_utilization=pb.gpu_memory_utilization),
             ParallelConfig(tensor_parallel_size=pb.tensor_parallel_size,
                            distributed_init_method=pb.distributed_init_method))
 

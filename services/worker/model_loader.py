@@ -178,33 +178,34 @@ def iterate_gguf(reader, config: PreTrainedConfig) -> Weights:
 
 
 def build_model(config: PreTrainedConfig, dtype: torch.dtype, max_positions: int,
-                device: torch.device, tp: TensorParallel = SINGLE) -> torch.nn.Module:
+                device: torch.device, tp: TensorParallel = SINGLE,
+                backend=None) -> torch.nn.Module:
     """Our model for the config (this rank's shard), weights uninitialized."""
     model_class = model_class_for(config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with device:
-            return model_class(config, max_positions, tp=tp)
+            return model_class(config, max_positions, backend=backend, tp=tp)
     finally:
         torch.set_default_dtype(default_dtype)
 
 
 def load_model(model: str, dtype: torch.dtype, max_positions: int, device: torch.device,
-               tp: TensorParallel = SINGLE) -> torch.nn.Module:
+               tp: TensorParallel = SINGLE, backend=None) -> torch.nn.Module:
     """From an HF directory, a .gguf file or a directory holding one .gguf; with tensor
     parallelism, this rank's shard."""
     gguf_path = find_gguf(model)
     if gguf_path is None:
         config = AutoConfig.from_pretrained(model)
-        net = build_model(config, dtype, max_positions, device, tp)
+        net = build_model(config, dtype, max_positions, device, tp, backend)
         net.load_weights(iterate_safetensors(model))
     else:
         from gguf import GGUFReader
 
         reader = GGUFReader(gguf_path)
         config = gguf_config(gguf_path, reader)
-        net = build_model(config, dtype, max_positions, device, tp)
+        net = build_model(config, dtype, max_positions, device, tp, backend)
         net.load_weights(iterate_gguf(reader, config))
     logger.info("loaded %s from %s (%s, %s)", type(net).__name__, gguf_path or model, dtype, device)
     return net.eval()

@@ -5,7 +5,9 @@ import numpy as np
 import torch
 
 from services.common import tracing
-from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.input_batch import (InputBatch, RequestState, StepInputs,
                                          build_sampling_metadata)
 from services.worker.sampler import Sampler, gather_logprobs
@@ -15,7 +17,7 @@ _tracer = tracing.tracer(__name__)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int):
+                 dtype: torch.dtype, max_model_len: int, decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -24,6 +26,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.input_batch = InputBatch(max_model_len, block_size, device)
         self.kv_caches: list[torch.Tensor] = []
+        # CUDA graphs for decode-only steps (None: every step runs eagerly).
+        self.decode_graphs = decode_graphs
 
     def kv_block_bytes(self) -> int:
         layers = self.model.attention_layers
@@ -31,6 +35,11 @@ class ModelRunner:
         return per_layer * len(layers) * torch.finfo(self.dtype).bits // 8
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        self._allocate_kv_cache(num_blocks)
+        if self.decode_graphs is not None and self.decode_graphs.capture:
+            self.decode_graphs.capture_all()  # the graphs read these very cache tensors
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.model.attention_layers:
             cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
@@ -38,13 +47,32 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def profile_peak_memory(self) -> int:
+        """CUDA: peak memory of a forward pass over max_model_len tokens, weights
+        included, the temporary KV cache it needs excluded."""
+        num_tokens = self.input_batch.max_model_len
+        num_blocks = -(-num_tokens // self.block_size)
+        self._allocate_kv_cache(num_blocks)
+        cache_bytes = num_blocks * self.kv_block_bytes()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute_model(SchedulerOutput(
+            new_requests=[NewRequestData("profile", [0] * num_tokens, SamplingParams(max_tokens=1),
+                                         list(range(num_blocks)), 0)],
+            num_scheduled_tokens={"profile": num_tokens}))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        self.update_states(SchedulerOutput(finished_request_ids=["profile"]))
+        self._allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        return peak
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput()
         step = self.input_batch.prepare(scheduler_output)
-        hidden = self.model(step.input_ids, step.positions, step.attn_metadata)
+        hidden = self._forward(step)
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(step, hidden))
         rows = step.rows[step.sampling]
         if len(rows):
@@ -57,6 +85,12 @@ class ModelRunner:
             output.sampled_token_ids = dict(zip(sampled_ids, tokens.tolist()))
             output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
         return output
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        meta, graphs = step.attn_metadata, self.decode_graphs
+        if graphs is not None and graphs.can_run(len(step.input_ids), meta.max_query_len):
+            return graphs.run(step.input_ids, step.positions, meta)
+        return self.model(step.input_ids, step.positions, meta)
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Applies the step's diff to the persistent batch."""

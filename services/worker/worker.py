@@ -8,11 +8,28 @@ import torch
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from services.worker.attention import make_attention_backend
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model_loader import load_model, resolve_dtype
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import init_distributed
 
 logger = logging.getLogger(__name__)
+
+# The largest decode batch replayed from a CUDA graph; larger ones run eagerly.
+MAX_GRAPH_BATCH = 256
+
+
+def kv_blocks_for_memory(total_bytes: int, utilization: float, peak_bytes: int,
+                         block_bytes: int) -> int:
+    """KV blocks that fit in total × utilization once weights and activations
+    (peak_bytes, from a profiling run) are in."""
+    budget = int(total_bytes * utilization) - peak_bytes
+    if budget < block_bytes:
+        raise ValueError(f"no GPU memory left for the KV cache: {peak_bytes / 2**30:.2f} GiB "
+                         f"used of a {total_bytes * utilization / 2**30:.2f} GiB budget; "
+                         "raise --gpu-memory-utilization or use a smaller model")
+    return budget // block_bytes
 
 
 class Worker:
@@ -29,16 +46,33 @@ class Worker:
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
                               parallel_config.distributed_init_method, self.device)
         dtype = resolve_dtype(model_config.dtype, self.device)
-        model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp)
+        backend = make_attention_backend(model_config.attention_backend, self.device,
+                                         cache_config.block_size)
+        model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp,
+                           backend)
+        graphs = None
+        if self.device.type == "cuda" and backend.name == "flash_attn" \
+                and not model_config.enforce_eager:
+            graphs = DecodeGraphs(model, MAX_GRAPH_BATCH, model_config.max_model_len,
+                                  cache_config.block_size, self.device, capture=True)
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, dtype,
-                                        model_config.max_model_len)
+                                        model_config.max_model_len, graphs)
         self.cache_config = cache_config
+        logger.info("worker %d: %s attention, %s, CUDA graphs %s", self.rank, backend.name, dtype,
+                    "on" if graphs else "off")
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=str(dtype).removeprefix("torch."),
                            kv_block_bytes=self.model_runner.kv_block_bytes())
 
     def determine_num_kv_blocks(self) -> int:
-        # CPU: the configured KV cache size. (CUDA will profile free memory.)
-        return self.cache_config.kv_cache_bytes // self.model_runner.kv_block_bytes()
+        """CPU: the configured KV cache size. CUDA: what the memory budget leaves after
+        the weights and the peak activations of a profiling forward pass."""
+        block_bytes = self.model_runner.kv_block_bytes()
+        if self.device.type != "cuda":
+            return self.cache_config.kv_cache_bytes // block_bytes
+        peak = self.model_runner.profile_peak_memory()
+        total = torch.cuda.mem_get_info(self.device)[1]
+        return kv_blocks_for_memory(total, self.cache_config.gpu_memory_utilization, peak,
+                                    block_bytes)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)
