@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_paged_attention import gather_blocks, load_kernel, paged_decode_attention
 from services.worker.attention.metadata import AttentionMetadata
 
 
@@ -32,17 +33,17 @@ class TorchSDPABackend:
             out[start:end] = self._prefill(q, k, v, kv_cache, meta, i, scale)
         return out
 
+    def __init__(self):
+        load_kernel()  # build the CPU decode kernel at start-up, not on the first request
+
     @staticmethod
     def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """All single-token queries at once, reading their contexts in place."""
         seq_lens = meta.decode_seq_lens
         num_blocks = -(-int(seq_lens.max()) // meta.block_size)
         block_table = meta.block_table[meta.decode_request_indices, :num_blocks]
-        keys, values = (_gather(kv_cache[j], block_table) for j in (0, 1))  # [B, KV, L, D]
-        mask = torch.arange(keys.shape[2]) < seq_lens[:, None]  # [B, L]
-        query = q[meta.decode_token_indices].unsqueeze(2)  # [B, H, 1, D]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None, None, :],
-                                             scale=scale, enable_gqa=True)
-        return out.squeeze(2)
+        return paged_decode_attention(q[meta.decode_token_indices], kv_cache[0], kv_cache[1],
+                                      block_table, seq_lens, scale)
 
     @staticmethod
     def _prefill(q, k, v, kv_cache, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
@@ -55,16 +56,10 @@ class TorchSDPABackend:
                                                   enable_gqa=True).transpose(0, 1)
         num_blocks = -(-seq_len // meta.block_size)
         block_table = meta.block_table[i:i + 1, :num_blocks]
-        keys, values = (_gather(kv_cache[j], block_table)[0, :, :seq_len] for j in (0, 1))
+        keys, values = (gather_blocks(kv_cache[j], block_table)[0, :, :seq_len] for j in (0, 1))
         # Query t sits at position seq_len - query_len + t and sees keys up to it.
         query_pos = torch.arange(seq_len - query_len, seq_len)
         mask = torch.arange(seq_len)[None, :] <= query_pos[:, None]
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=True).transpose(0, 1)
 
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache: [num_blocks, block_size, KV, D] -> [B, KV, max_blocks * block_size, D]."""
-    b, n = block_table.shape
-    blocks = cache[block_table]  # [B, n, block_size, KV, D]
-    return blocks.reshape(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
