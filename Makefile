@@ -43,8 +43,9 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# `make bench BENCH_ARGS=--quick` passes flags on (see `python -m bench --help`).
 bench: setup
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(PB_DIR) build *.egg-info

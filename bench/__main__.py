@@ -9,6 +9,7 @@ set, prints a Markdown table and writes it, with the JSON, to bench/results/.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -40,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_int_list, default=",".join(map(str, d.concurrency)),
                    help="closed-loop client counts, comma-separated (default: %(default)s)")
     p.add_argument("--serving-requests", type=int, default=d.serving_requests,
-                   help="requests per concurrency level (default: max(2 × concurrency, 8))")
+                   help="requests per concurrency level (default: max(concurrency, 4))")
     p.add_argument("--request-rate", type=float, default=d.request_rate,
                    help="also run Poisson arrivals at this many requests/s")
     p.add_argument("--rate-requests", type=int, default=d.rate_requests,
@@ -53,23 +54,43 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
     p.add_argument("--skip-baseline", action="store_true", help="no transformers run (no ratios)")
     p.add_argument("--out-dir", default=d.out_dir, help="where latest.json and latest.md go")
+    p.add_argument("--omp-wait-policy", default="passive",
+                   choices=["passive", "active", "inherit"],
+                   help="OMP_WAIT_POLICY for this process and the stack it starts (inherit: "
+                        "leave the environment as is). passive keeps other jobs on a shared "
+                        "machine from slowing torch down many times over (see bench/README.md)")
     return p
 
 
-def parse_settings(argv: list[str]) -> Settings:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = parser()
     if p.parse_args(argv).quick:
         p.set_defaults(**QUICK)
-    args = vars(p.parse_args(argv))
-    args.pop("quick")
-    return Settings(**args)
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    fields = {k: v for k, v in vars(args).items() if k not in ("quick", "omp_wait_policy")}
+    return Settings(**fields)
+
+
+def set_omp_wait_policy(policy: str) -> None:
+    """Sets OMP_WAIT_POLICY, which libgomp reads once, when torch is imported."""
+    if policy == "inherit":
+        return
+    if "torch" in sys.modules:
+        print("[bench] torch is already imported: --omp-wait-policy reaches only the "
+              "serving stack", file=sys.stderr)
+    os.environ["OMP_WAIT_POLICY"] = policy.upper()
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.run import run
-
     argv = sys.argv[1:] if argv is None else argv
-    settings = parse_settings(argv)
+    args = parse_args(argv)
+    set_omp_wait_policy(args.omp_wait_policy)
+    from bench.run import run  # imports torch
+
+    settings = settings_from_args(args)
     results = run(settings, shlex.join(["python", "-m", "bench", *argv]))
     markdown = to_markdown(results)
     json_path, md_path = write_results(results, markdown, settings.out_dir)

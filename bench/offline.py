@@ -5,13 +5,8 @@ from __future__ import annotations
 import time
 
 from bench.metrics import RequestTiming, single_stream_summary
+from bench.prompts import greedy
 from llmserve.llm import LLM
-from services.common.sampling_params import SamplingParams
-
-
-def greedy(output_len: int) -> SamplingParams:
-    """Greedy, and always exactly output_len tokens."""
-    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
 
 
 def load_llm(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len: int) -> LLM:

@@ -64,8 +64,8 @@ def _header(results: dict) -> list[str]:
         f"`{m['command']}`", "",
         f"{m['started_at']} · model `{m['model_name']}` · {s['dtype']} · {m['cpu']}, "
         f"{m['cores']} cores · torch {m['torch']} ({m['torch_threads']} threads) · "
-        f"transformers {m['transformers']} · load average {m['load_before']:.2f} → "
-        f"{m['load_after']:.2f}", "",
+        f"transformers {m['transformers']} · OMP_WAIT_POLICY {m['omp_wait_policy']} · "
+        f"load average {m['load_before']:.2f} → {m['load_after']:.2f}", "",
         "Ratios in parentheses are llmserve ÷ baseline, measured in the same run on the "
         "same prompts and dtype: above 1 is better for tok/s, below 1 for latencies. "
         "Prompts are random ordinary token ids; decoding is greedy with ignore_eos.", ""]
@@ -130,7 +130,7 @@ def _serving(results: dict) -> list[str]:
 def _phases(results: dict) -> list[str]:
     lines = ["## Phase times", "", "| phase | seconds |", "|---|---:|"]
     lines += [f"| {name} | {seconds:.1f} |" for name, seconds in results["phases"].items()]
-    return lines + [f"| **total** | {sum(results['phases'].values()):.1f} |", ""]
+    return lines + [f"| **whole run** | {results['meta']['wall_s']:.1f} |", ""]
 
 
 def to_markdown(results: dict) -> str:

@@ -2,10 +2,12 @@
 serving, in that order, each a timed phase; returns the results as a dict."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
 import os
+import time
 
 from bench import prompts as P
 from bench.machine import load_average, machine_info
@@ -66,9 +68,11 @@ def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
 
     vocab = P.vocab_size(model_dir)
     rows = results["serving"] = []
-    with serving_stack(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len) as stack:
-        address = frontend_address(stack)
+    with contextlib.ExitStack() as running:
         with phases("serving: start the stack"):
+            stack = running.enter_context(
+                serving_stack(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len))
+            address = frontend_address(stack)
             serving.warm_up(address, P.make_prompts(4, s.prompt_len, vocab, s.seed, P.WARMUP))
         for i, c in enumerate(s.concurrency):
             prompts = P.make_prompts(s.level_requests(c), s.prompt_len, vocab, s.seed,
@@ -87,11 +91,13 @@ def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
 
 def run(s: Settings, command: str) -> dict:
     """Every phase the settings ask for, then the ratios to the baseline."""
+    start = time.perf_counter()
     phases = Phases()
     model_dir = resolve_model(s.model or DEFAULT_MODEL)
     results: dict = {"meta": {
         "command": command, "model_name": os.path.basename(model_dir.rstrip("/")),
         "model_dir": model_dir, "load_before": load_average(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         **machine_info()}, "settings": dataclasses.asdict(s)}
     steps = [(s.skip_baseline, run_baseline), (s.skip_offline, run_offline),
@@ -101,6 +107,7 @@ def run(s: Settings, command: str) -> dict:
             step(s, model_dir, phases, results)
             gc.collect()  # drop one phase's model before the next loads its own
     results["meta"]["load_after"] = load_average()
+    results["meta"]["wall_s"] = time.perf_counter() - start
     results["phases"] = phases.seconds
     add_ratios(results)
     return results

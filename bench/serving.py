@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from bench.metrics import RequestTiming, summarize
-from bench.offline import greedy
+from bench.prompts import greedy
 from llmserve.client import AsyncClient
 
 

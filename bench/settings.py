@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # The issue's default set; `--quick` and the flags shrink it.
 DEFAULT_CONCURRENCY = (1, 8, 32, 64)
-# Closed-loop requests per concurrency level: max(REQUESTS_PER_CLIENT * c, MIN_LEVEL_REQUESTS).
-REQUESTS_PER_CLIENT = 2
-MIN_LEVEL_REQUESTS = 8
+# Closed-loop requests per concurrency level: max(REQUESTS_PER_CLIENT * c, MIN_LEVEL_REQUESTS)
+# (one request per client: every request has the same length, so a second round
+# would only repeat the first one).
+REQUESTS_PER_CLIENT = 1
+MIN_LEVEL_REQUESTS = 4
 
 
 @dataclass
@@ -34,7 +39,7 @@ class Settings:
     skip_offline: bool = False
     skip_serving: bool = False
     skip_baseline: bool = False
-    out_dir: str = "bench/results"
+    out_dir: str = str(RESULTS_DIR)
 
     def level_requests(self, concurrency: int) -> int:
         """Requests sent at one closed-loop concurrency level."""

@@ -28,8 +28,11 @@ def load_kernel():
         import ninja  # the PyPI package: its binary is not on PATH inside a venv
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
         from torch.utils.cpp_extension import load
+        # -fopenmp compiles at::parallel_for's OpenMP path in; libgomp.so.1 then
+        # resolves to the copy torch has already loaded, so there is one runtime.
         return load(name="llmserve_paged_decode_attention", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, headers or ninja: fall back, loudly
         logger.warning("CPU paged attention kernel unavailable (%s); using the torch path", e)
         return None

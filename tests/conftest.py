@@ -8,9 +8,8 @@ import torch
 
 from services.common.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from services.common.model_store import resolve_model
+from llmserve.llm_engine import make_inproc_engine_core
 from services.engine_core.engine_core import EngineCore
-from services.engine_core.executor import InprocExecutor
-from services.worker.worker import Worker
 
 # Prompts of different kinds and lengths, used by several tests.
 PROMPTS = [
@@ -43,14 +42,15 @@ def hf_model(model_dir):
 
 
 def make_engine_core(model_dir: str, kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024,
-                     enable_prefix_caching: bool = True, **scheduler) -> EngineCore:
-    """An fp32 engine core with one in-process worker."""
-    config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32",
+                     enable_prefix_caching: bool = True, dtype: str = "float32",
+                     **scheduler) -> EngineCore:
+    """An engine core (fp32 unless told) with one in-process worker."""
+    config = EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype,
                                             max_model_len=max_model_len),
                           cache=CacheConfig(kv_cache_bytes=kv_cache_bytes,
                                             enable_prefix_caching=enable_prefix_caching),
                           scheduler=dataclasses.replace(SchedulerConfig(), **scheduler))
-    return EngineCore(config, InprocExecutor([Worker()]))
+    return make_inproc_engine_core(config)
 
 
 def hf_generate_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

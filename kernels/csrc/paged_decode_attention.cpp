@@ -4,7 +4,7 @@
 // the keys and values of its context are read once, block by block through the
 // block table, for all the query heads that share that KV head (GQA), with a
 // numerically stable softmax. Parallel over work items with at::parallel_for, i.e.
-// torch's own thread pool: a second OpenMP runtime would fight torch's for the cores.
+// torch's own OpenMP thread pool and thread count.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -51,6 +51,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query,        // [B, H, D]
           for (int64_t g = 0; g < group; ++g) {
             const float* qh = qg + g * D;
             float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
             scores[g * len + t] = dot * static_cast<float>(scale);
           }
@@ -71,6 +72,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query,        // [B, H, D]
           for (int64_t g = 0; g < group; ++g) {
             const float w = scores[g * len + t];
             float* a = acc.data() + g * D;
+#pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
           }
         }

@@ -54,11 +54,15 @@ class ServiceServer:
         logger.info("%s stopped", self.service_name)
 
     async def serve_until_signal(self) -> None:
-        """Waits for SIGINT/SIGTERM, then stops gracefully."""
+        """Waits for SIGINT/SIGTERM (this loop must run on the main thread), then
+        stops gracefully."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        await self.serve_until(stop)
+
+    async def serve_until(self, stop: asyncio.Event) -> None:
         await stop.wait()
         await self.stop()
 

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import signal
+import threading
 
 from services.common import tracing
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import ServiceServer, setup_logging
+from services.worker.main_thread import MainThreadRunner
 from services.worker.servicer import WorkerServicer
 from services.worker.worker import Worker
 
@@ -23,20 +27,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    servicer = WorkerServicer(Worker(rank=args.rank, device=args.device))
+async def serve(args: argparse.Namespace, runner: MainThreadRunner,
+                stopping: "asyncio.Future[asyncio.Event]") -> None:
+    servicer = WorkerServicer(Worker(rank=args.rank, device=args.device), run=runner.run)
     server = ServiceServer(SERVICE_NAME,
                            lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     await server.start(args.host, args.port, args.port_file)
-    await server.serve_until_signal()
+    stop = asyncio.Event()
+    stopping.set_result((asyncio.get_running_loop(), stop))
+    await server.serve_until(stop)
 
 
 def main(argv=None) -> None:
+    """The gRPC server runs on a background thread; the model on the main thread."""
     args = parse_args(argv)
     setup_logging(f"worker{args.rank}")
     tracing.init_tracing("llmserve-worker")
+    runner = MainThreadRunner()
+    stopping: concurrent.futures.Future = concurrent.futures.Future()
+
+    def serve_in_thread() -> None:
+        try:
+            asyncio.run(serve(args, runner, stopping))
+        finally:
+            runner.stop()
+
+    def on_signal(signum, frame) -> None:
+        if stopping.done():
+            loop, stop = stopping.result()
+            loop.call_soon_threadsafe(stop.set)
+        else:  # not serving yet: nothing to drain
+            runner.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    threading.Thread(target=serve_in_thread, name="grpc-server", daemon=True).start()
     try:
-        asyncio.run(serve(args))
+        runner.serve_forever()
     finally:
         tracing.shutdown_tracing()
 

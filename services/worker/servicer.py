@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
 from services.common import convert
 from services.common.pb import worker_pb2, worker_pb2_grpc
@@ -9,13 +10,15 @@ from services.worker.worker import Worker
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, run: Callable[..., Awaitable] = asyncio.to_thread):
         self.worker = worker
+        # How model work runs off the event loop (so health checks answer during a
+        # step): a thread by default, the main thread in the worker process.
+        self.run = run
 
-    # Model work runs off the event loop so health checks answer during a step.
     async def LoadModel(self, request, context):
-        loaded = await asyncio.to_thread(self.worker.load_model,
-                                         *convert.load_model_request_from_proto(request))
+        loaded = await self.run(self.worker.load_model,
+                                *convert.load_model_request_from_proto(request))
         return convert.loaded_model_to_proto(loaded)
 
     async def DetermineNumKvBlocks(self, request, context):
@@ -23,10 +26,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_blocks=self.worker.determine_num_kv_blocks())
 
     async def InitKvCache(self, request, context):
-        await asyncio.to_thread(self.worker.init_kv_cache, request.num_blocks)
+        await self.run(self.worker.init_kv_cache, request.num_blocks)
         return worker_pb2.InitKvCacheResponse()
 
     async def ExecuteModel(self, request, context):
-        output = await asyncio.to_thread(self.worker.execute_model,
-                                         convert.scheduler_output_from_proto(request))
+        output = await self.run(self.worker.execute_model,
+                                convert.scheduler_output_from_proto(request))
         return convert.model_runner_output_to_proto(output)

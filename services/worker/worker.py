@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -45,6 +46,10 @@ class Worker:
         torch.manual_seed(model_config.seed)
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
                               parallel_config.distributed_init_method, self.device)
+        if tp.size > 1 and self.device.type == "cpu":
+            # Ranks on one machine share its cores: N spinning thread teams of all
+            # the cores each would slow every rank down.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.size))
         dtype = resolve_dtype(model_config.dtype, self.device)
         backend = make_attention_backend(model_config.attention_backend, self.device,
                                          cache_config.block_size)

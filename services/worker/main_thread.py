@@ -1,0 +1,35 @@
+"""MainThreadRunner: runs the worker's model calls on the process's main thread.
+
+torch's CPU kernels ran about 20% slower when called from a secondary thread
+(GNU OpenMP thread teams), so the gRPC server runs its asyncio loop on a
+background thread and hands every model call to the main thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+from typing import Any, Callable
+
+
+class MainThreadRunner:
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Awaitable from any event loop; fn runs on the thread in serve_forever()."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fn, args, future))
+        return await asyncio.wrap_future(future)
+
+    def serve_forever(self) -> None:
+        """Call on the main thread: runs submitted calls until stop()."""
+        while (item := self._queue.get()) is not None:
+            fn, args, future = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the awaiting caller
+                future.set_exception(e)
+
+    def stop(self) -> None:
+        self._queue.put(None)

@@ -1,0 +1,64 @@
+"""`python -m bench` end to end at tiny sizes: every section of the JSON is there
+with positive figures and ratios. No timing thresholds: the sizes are too small
+to mean anything, the point is that the harness never rots."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--requests", "2", "--prompt-len", "8", "--output-len", "4", "--single-stream-len", "6",
+        "--concurrency", "1,2", "--serving-requests", "2", "--baseline-b1-requests", "2",
+        "--kv-cache-gib", "0.02", "--max-model-len", "64"]
+SERVING_KEYS = ["output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s"]
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory, model_dir):
+    out_dir = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "bench", *TINY, "--model", model_dir,
+                           "--out-dir", str(out_dir)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads((out_dir / "latest.json").read_text()), out_dir
+
+
+def test_every_section_has_positive_figures(bench_run):
+    _, results, _ = bench_run
+    base = results["baseline"]
+    for name in ("hf_batched", "hf_batch1", "hf_single_stream"):
+        assert positive(base[name]["output_tok_s"]), name
+    assert positive(results["offline"]["output_tok_s"])
+    assert positive(results["offline"]["total_tok_s"])
+    for key in ("output_tok_s", "decode_tok_s", "ttft_s"):
+        assert positive(results["single_stream"][key]), key
+    assert [row["concurrency"] for row in results["serving"]] == [1, 2]
+    for row in results["serving"]:
+        assert row["requests"] == 2 and row["output_tokens"] == 2 * 4
+        assert all(positive(row[k]) for k in SERVING_KEYS), row
+
+
+def test_every_figure_has_a_ratio_to_the_baseline(bench_run):
+    _, results, _ = bench_run
+    ratios = [results["offline"]["ratio"], results["single_stream"]["ratio"],
+              *(row["ratio"] for row in results["serving"])]
+    assert set(results["offline"]["ratio"]) == {"output_tok_s", "total_tok_s"}
+    assert set(results["serving"][0]["ratio"]) == set(SERVING_KEYS)
+    assert all(positive(v) for r in ratios for v in r.values()), ratios
+
+
+def test_markdown_is_printed_and_written(bench_run):
+    stdout, results, out_dir = bench_run
+    markdown = (out_dir / "latest.md").read_text()
+    assert markdown in stdout
+    for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
+                    "## Phase times"):
+        assert heading in markdown
+    assert results["meta"]["command"] in markdown and results["meta"]["cpu"] in markdown
