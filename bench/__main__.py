@@ -54,11 +54,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
     p.add_argument("--skip-baseline", action="store_true", help="no transformers run (no ratios)")
     p.add_argument("--out-dir", default=d.out_dir, help="where latest.json and latest.md go")
-    p.add_argument("--omp-wait-policy", default="passive",
+    p.add_argument("--omp-wait-policy", default="inherit",
                    choices=["passive", "active", "inherit"],
-                   help="OMP_WAIT_POLICY for this process and the stack it starts (inherit: "
-                        "leave the environment as is). passive keeps other jobs on a shared "
-                        "machine from slowing torch down many times over (see bench/README.md)")
+                   help="OMP_WAIT_POLICY for this process and the stack it starts (default: "
+                        "leave the environment as is, as users run it; see bench/README.md)")
     return p
 
 

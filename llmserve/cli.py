@@ -118,6 +118,7 @@ def _service(module: str):
 COMMANDS = {
     "serve": _serve,
     "generate": _generate,
+    "bench": _service("bench.__main__"),
     "frontend": _service("services.frontend.__main__"),
     "engine-core": _service("services.engine_core.__main__"),
     "worker": _service("services.worker.__main__"),
