@@ -52,19 +52,15 @@ def time_scheduler(num_requests: int, steps: int, policy: str, prefix_caching: b
 
 def time_model_step(num_requests: int, repeats: int = 3) -> float:
     """One decode step of the default model for the same batch, in process (fp32)."""
-    from services.common.config import EngineConfig, ModelConfig
-    from services.common.model_store import resolve_model
-    from services.engine_core.engine_core import EngineCore
-    from services.engine_core.executor import InprocExecutor
-    from services.worker.worker import Worker
+    from llmserve.llm_engine import make_inproc_engine_core
+    from services.common.config import DEFAULT_MODEL, EngineConfig, ModelConfig
     from services.common.request_types import EngineCoreRequest
 
-    config = EngineConfig(model=ModelConfig(model=resolve_model("SmolLM2-135M-Instruct"),
-                                            max_model_len=1024),
+    config = EngineConfig(model=ModelConfig(model=DEFAULT_MODEL, max_model_len=1024),
                           cache=CacheConfig(kv_cache_bytes=2 << 30),
                           scheduler=SchedulerConfig(max_num_seqs=num_requests,
                                                     max_num_batched_tokens=8192))
-    core = EngineCore(config, InprocExecutor([Worker()]))
+    core = make_inproc_engine_core(config)
     for i in range(num_requests):
         prompt = [(i * 7919 + j) % 49152 for j in range(PROMPT_LEN)]
         core.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(

@@ -5,12 +5,13 @@ import asyncio
 import logging
 import os
 import signal
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import tracing
 from services.common.errors import ErrorMappingInterceptor
 from services.common.grpc_options import SERVER_OPTIONS
 
@@ -72,6 +73,17 @@ def _write_atomically(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def run_service(log_name: str, default_otel_name: str,
+                serve: Callable[[], Awaitable[None]]) -> None:
+    """A service's main(): logging, tracing, the asyncio server until it stops."""
+    setup_logging(log_name)
+    tracing.init_tracing(default_otel_name)
+    try:
+        asyncio.run(serve())
+    finally:
+        tracing.shutdown_tracing()
 
 
 def setup_logging(service: str) -> None:

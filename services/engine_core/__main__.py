@@ -7,11 +7,10 @@ import dataclasses
 import logging
 import socket
 
-from services.common import tracing
 from services.common.config import add_engine_args, engine_config_from_args
 from services.common.model_store import resolve_model
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
-from services.common.server import ServiceServer, setup_logging
+from services.common.server import ServiceServer, run_service
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.engine_loop import EngineLoop
 from services.engine_core.executor import GrpcExecutor
@@ -66,12 +65,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    setup_logging("engine-core")
-    tracing.init_tracing("llmserve-engine-core")
-    try:
-        asyncio.run(serve(args))
-    finally:
-        tracing.shutdown_tracing()
+    run_service("engine-core", "llmserve-engine-core", lambda: serve(args))
 
 
 if __name__ == "__main__":

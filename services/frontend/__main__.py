@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
-from services.common import tracing
 from services.common.config import DEFAULT_MODEL
 from services.common.model_store import resolve_model
 from services.common.pb import inference_pb2, inference_pb2_grpc
-from services.common.server import ServiceServer, setup_logging
+from services.common.server import ServiceServer, run_service
 from services.frontend.engine_client import EngineClient
 from services.frontend.router import EngineRouter
 from services.frontend.processor import Processor
@@ -53,12 +51,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    setup_logging("frontend")
-    tracing.init_tracing("llmserve-frontend")
-    try:
-        asyncio.run(serve(args))
-    finally:
-        tracing.shutdown_tracing()
+    run_service("frontend", "llmserve-frontend", lambda: serve(args))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionMetadata
+from services.worker.sampler import SamplingMetadata
 
 
 @dataclass
@@ -157,10 +158,8 @@ class InputBatch:
 
 
 def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
-                            vocab_size: int) -> "SamplingMetadata":
+                            vocab_size: int) -> SamplingMetadata:
     """The sampler's per-row tensors for the given rows."""
-    from services.worker.sampler import SamplingMetadata
-
     states = [batch.states[r] for r in rows]
     params = [s.sampling_params for s in states]
     num_output = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]

@@ -10,7 +10,6 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
     ProtoReflectionDescriptorDatabase
 
 from llmserve.client import Client
-from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from tests.e2e.conftest import address as _address
 from tests.e2e.conftest import engine_stats, wait_all_blocks_free
 

@@ -7,19 +7,9 @@ from services.common.scheduler_output import (CachedRequestData, NewRequestData,
                                               SchedulerOutput)
 from services.worker.model_loader import load_model
 from services.worker.model_runner import ModelRunner
+from tests.integration.tiny_models import step_logits
 
 BLOCK_SIZE = 16
-
-
-def _run_step(runner: ModelRunner, so: SchedulerOutput) -> dict[str, torch.Tensor]:
-    """Logits of every scheduled token, per request."""
-    runner.update_states(so)
-    step = runner.input_batch.prepare(so)
-    with torch.inference_mode():
-        logits = runner.model.compute_logits(
-            runner.model(step.input_ids, step.positions, step.attn_metadata))
-    qsl = step.attn_metadata.query_start_loc
-    return {r: logits[qsl[i]:qsl[i + 1]] for i, r in enumerate(so.num_scheduled_tokens)}
 
 
 def test_logits_match_transformers_on_mixed_paged_batch(model_dir, tokenizer, hf_model):
@@ -39,12 +29,12 @@ def test_logits_match_transformers_on_mixed_paged_batch(model_dir, tokenizer, hf
         new_requests=[NewRequestData("a", a, params, [3, 7], 0),
                       NewRequestData("b", b, params, [10, 4, 9], 0)],
         num_scheduled_tokens={"a": len(a), "b": chunk})
-    got1 = _run_step(runner, step1)
+    got1 = step_logits(runner, step1)
     runner.input_batch.append_tokens(np.array([runner.input_batch.row_of["a"]]), np.array([a_next]))
     step2 = SchedulerOutput(
         cached_requests=[CachedRequestData("a", [], len(a)), CachedRequestData("b", [], chunk)],
         num_scheduled_tokens={"a": 1, "b": len(b) - chunk})
-    got2 = _run_step(runner, step2)
+    got2 = step_logits(runner, step2)
 
     with torch.no_grad():
         ref_a = hf_model(torch.tensor([a + [a_next]])).logits[0]

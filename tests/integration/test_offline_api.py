@@ -64,3 +64,12 @@ def test_offline_examples_run(example):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("\n") >= 4
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache(llm):
+    before = llm.engine.core.stats().prefix_cache_hits
+    prompt = list(range(1000, 1064))  # 64 tokens: 3 full blocks reusable, the last token not
+    [output] = llm.generate([prompt], SamplingParams(n=3, max_tokens=4, temperature=0.7, seed=1),
+                            use_tqdm=False)
+    assert len(output.outputs) == 3
+    assert llm.engine.core.stats().prefix_cache_hits - before == 2 * 48

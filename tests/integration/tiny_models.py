@@ -42,7 +42,7 @@ def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0]
 
 
-def _run_step(runner: ModelRunner, so: SchedulerOutput) -> dict[str, torch.Tensor]:
+def step_logits(runner: ModelRunner, so: SchedulerOutput) -> dict[str, torch.Tensor]:
     """Logits of every scheduled token, per request."""
     runner.update_states(so)
     step = runner.input_batch.prepare(so)
@@ -78,17 +78,17 @@ def run_mixed_batch(model: torch.nn.Module, seed: int = 1) -> tuple[dict[str, li
     # Non-contiguous, interleaved block ids, so a wrong block table shows.
     blocks = {"a": [3, 7], "b": [10, 4, 9, 1], "c": [12, 2, 14]}
 
-    got1 = _run_step(runner, SchedulerOutput(
+    got1 = step_logits(runner, SchedulerOutput(
         new_requests=[NewRequestData("a", a, params, blocks["a"], 0),
                       NewRequestData("b", b, params, blocks["b"], 0)],
         num_scheduled_tokens={"a": len(a), "b": chunk}))
     _append(runner, {"a": nxt["a"][0]})
-    got2 = _run_step(runner, SchedulerOutput(
+    got2 = step_logits(runner, SchedulerOutput(
         new_requests=[NewRequestData("c", c, params, blocks["c"], 0)],
         cached_requests=[CachedRequestData("a", [], len(a)), CachedRequestData("b", [], chunk)],
         num_scheduled_tokens={"a": 1, "b": len(b) - chunk, "c": len(c)}))
     _append(runner, {"a": nxt["a"][1], "b": nxt["b"][0], "c": nxt["c"][0]})
-    got3 = _run_step(runner, SchedulerOutput(
+    got3 = step_logits(runner, SchedulerOutput(
         cached_requests=[CachedRequestData("a", [], len(a) + 1),
                          CachedRequestData("b", [], len(b)), CachedRequestData("c", [], len(c))],
         num_scheduled_tokens={"a": 1, "b": 1, "c": 1}))
