@@ -31,7 +31,7 @@ def load_kernel():
         # -fopenmp compiles at::parallel_for's OpenMP path in; libgomp.so.1 then
         # resolves to the copy torch has already loaded, so there is one runtime.
         return load(name="llmserve_paged_decode_attention", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, headers or ninja: fall back, loudly
         logger.warning("CPU paged attention kernel unavailable (%s); using the torch path", e)

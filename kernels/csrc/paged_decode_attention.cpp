@@ -56,14 +56,20 @@ torch::Tensor paged_decode_attention(torch::Tensor query,        // [B, H, D]
             scores[g * len + t] = dot * static_cast<float>(scale);
           }
         }
-        std::fill(total.begin(), total.end(), 0.f);
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + g * len;
-          const float m = *std::max_element(s, s + len);
+          float m = -std::numeric_limits<float>::max();  // -ffast-math assumes no infinities
+#pragma omp simd reduction(max : m)
+          for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+          float sum = 0.f;
+          // Vectorized through glibc's libmvec (needs -ffast-math): a scalar exp
+          // per score was most of the kernel's time.
+#pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - m);
-            total[g] += s[t];
+            s[t] = expf(s[t] - m);
+            sum += s[t];
           }
+          total[g] = sum;
         }
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t t = 0; t < len; ++t) {

@@ -37,11 +37,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KV, D]; rotates both by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
+        """cos and sin [T, 1, D] of each token's position, looked up once per step
+        and shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, KV, D]; rotates both by each token's position."""
+    cos, sin = rope
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 # Rope types whose frequencies are fixed: cos/sin can be computed once for all

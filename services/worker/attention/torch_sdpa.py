@@ -25,6 +25,8 @@ class TorchSDPABackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KV, D] for the new tokens; returns [T, H, D]."""
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+        if not meta.prefill_request_indices:  # decodes only: token i is request i's query
+            return self._decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         if meta.decode_request_indices.numel():
             out[meta.decode_token_indices] = self._decode(q, kv_cache, meta, scale)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from services.worker.attention import AttentionMetadata, TorchSDPABackend
-from services.worker.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from services.worker.layers import RMSNorm, Rope, RotaryEmbedding, apply_rope, silu_and_mul
 from services.worker.linear import (PackedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                     VocabParallelEmbedding)
 from services.worker.parallel import SINGLE, TensorParallel
@@ -38,6 +38,10 @@ def sliding_window(config) -> int | None:
     return window
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def check_supported(config, max_positions: int) -> None:
     """Raises for what the model would otherwise compute wrongly without a word."""
     act = getattr(config, "hidden_act", "silu")
@@ -57,7 +61,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, max_positions: int, arch: ArchFlags, backend, tp: TensorParallel):
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.head_dim = head_dim_of(config)
         self.num_heads = tp.divide(num_heads, "num_attention_heads")
         self.num_kv_heads = tp.divide(num_kv_heads, "num_key_value_heads")
         self.scale = self.head_dim ** -0.5
@@ -67,19 +71,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=arch.o_bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -105,8 +107,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: Rope, x, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -118,11 +120,13 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, max_positions, arch, backend, tp)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
 
