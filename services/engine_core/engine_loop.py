@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from services.common.errors import FailedPrecondition, LLMServeError, Unavailable
+from services.common.futures import run_into_future
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
 from services.engine_core.engine_core import EngineCore
 
@@ -73,14 +74,7 @@ class EngineLoop:
     async def _call(self, fn: Callable[[], object]) -> object:
         """Runs fn on the loop thread between steps and returns its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to the caller
-                future.set_exception(e)
-
-        self._inbox.put(run)
+        self._inbox.put(lambda: run_into_future(future, fn))
         return await asyncio.wrap_future(future)
 
     # ---- loop thread -------------------------------------------------------------

@@ -11,6 +11,8 @@ import concurrent.futures
 import queue
 from typing import Any, Callable
 
+from services.common.futures import run_into_future
+
 
 class MainThreadRunner:
     def __init__(self):
@@ -26,10 +28,7 @@ class MainThreadRunner:
         """Call on the main thread: runs submitted calls until stop()."""
         while (item := self._queue.get()) is not None:
             fn, args, future = item
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # handed to the awaiting caller
-                future.set_exception(e)
+            run_into_future(future, fn, *args)
 
     def stop(self) -> None:
         self._queue.put(None)
