@@ -16,6 +16,12 @@ from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExpor
                                             SimpleSpanProcessor)
 
 _TRACE_HEADERS = ("traceparent", "tracestate")
+_exporting = False
+
+
+def is_exporting() -> bool:
+    """Whether spans go anywhere; extra per-step tracing work is skipped otherwise."""
+    return _exporting
 
 
 def init_tracing(default_service_name: str) -> None:
@@ -26,6 +32,8 @@ def init_tracing(default_service_name: str) -> None:
     if not exporter and ("OTEL_EXPORTER_OTLP_ENDPOINT" in os.environ
                          or "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in os.environ):
         exporter = "otlp"
+    global _exporting
+    _exporting = exporter in ("otlp", "console")
     if exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
@@ -58,6 +66,14 @@ def trace_metadata() -> list[tuple[str, str]]:
 
 def context_from_headers(headers: dict[str, str]) -> context.Context:
     return propagate.extract(headers)
+
+
+def links_to(headers: Iterable[dict[str, str]]) -> list[trace.Link]:
+    """Links to the spans whose W3C headers are given (a batched step links to the
+    requests it serves rather than having one parent)."""
+    contexts = (trace.get_current_span(propagate.extract(h)).get_span_context()
+                for h in headers)
+    return [trace.Link(c) for c in contexts if c.is_valid]
 
 
 def context_from_metadata(metadata: Iterable[tuple[str, str]] | None) -> context.Context:

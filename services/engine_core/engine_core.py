@@ -1,8 +1,10 @@
 """EngineCore: step = schedule -> execute on the workers -> update requests."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
+from services.common import tracing
 from services.common.config import EngineConfig
 from services.common.errors import InvalidArgument
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
@@ -12,6 +14,7 @@ from services.engine_core.request import Request
 from services.engine_core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+_tracer = tracing.tracer(__name__)
 
 
 class EngineCore:
@@ -58,8 +61,21 @@ class EngineCore:
         self.num_scheduled_tokens_last_step = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.is_empty:
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
+        with self._step_span(scheduler_output):
+            runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_span(self, scheduler_output):
+        """A span per step, linked to the requests it serves; nothing without an exporter."""
+        if not tracing.is_exporting():
+            return contextlib.nullcontext()
+        requests = self.scheduler.requests
+        headers = [requests[r].trace_headers for r in scheduler_output.num_scheduled_tokens
+                   if r in requests]
+        return _tracer.start_as_current_span(
+            "engine_core.step", links=tracing.links_to(headers), attributes={
+                "llmserve.step.num_requests": len(scheduler_output.num_scheduled_tokens),
+                "llmserve.step.num_tokens": scheduler_output.total_num_scheduled_tokens})
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the prefix cache; False (and nothing done) while requests hold blocks."""

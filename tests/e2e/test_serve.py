@@ -95,6 +95,11 @@ def test_one_trace_spans_all_three_services(stack):
     assert len(frontend) == 1
     assert trace_ids("engine-core", "engine_core.request") == frontend
     assert trace_ids("worker", "worker.request") == frontend
+    # The batched steps that served it are spans of their own, linked to it.
+    engine_log = open(next(s.log_path for s in stack.services if s.name == "engine-core")).read()
+    linked = {link["context"]["trace_id"] for m in _json_objects(engine_log)
+              if m.get("name") == "engine_core.step" for link in m.get("links", [])}
+    assert frontend <= linked
 
 
 def _json_objects(text):
