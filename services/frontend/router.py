@@ -1,7 +1,11 @@
 """EngineRouter: one EngineClient over several engine-core replicas.
 
 Each new request goes to the least-loaded healthy replica: the requests this
-frontend has in flight there plus the waiting queue the replica last reported.
+frontend has in flight there plus the waiting queue the replica last reported;
+except that a request with the same prompt as one in flight (the n choices of
+one request, say) follows it, so that it finds that prompt in the same prefix
+cache. (Keying on a shorter prefix would send every chat to one replica: chat
+templates start alike.)
 A replica that fails a call or a stats poll is taken out until a poll succeeds
 again; requests in flight on a replica that dies end with UNAVAILABLE.
 """
@@ -37,6 +41,8 @@ class EngineRouter(EngineClient):
         self.replicas = [_Replica(GrpcEngineClient(a)) for a in addresses]
         self.poll_interval_s = poll_interval_s
         self._owner: dict[str, _Replica] = {}
+        # Prompt -> (replica, requests in flight with it).
+        self._prompts: dict[tuple[int, ...], tuple[_Replica, int]] = {}
         self._poller: asyncio.Task | None = None
 
     async def start(self, timeout_s: float) -> None:
@@ -46,7 +52,10 @@ class EngineRouter(EngineClient):
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def generate(self, request):
-        replica = self._pick()
+        prompt = tuple(request.prompt_token_ids)
+        owner, count = self._prompts.get(prompt, (None, 0))
+        replica = owner if owner is not None and owner.healthy else self._pick()
+        self._prompts[prompt] = (replica, count + 1 if replica is owner else 1)
         replica.in_flight += 1
         self._owner[request.request_id] = replica
         try:
@@ -59,6 +68,12 @@ class EngineRouter(EngineClient):
         finally:
             replica.in_flight -= 1
             self._owner.pop(request.request_id, None)
+            owner, count = self._prompts.get(prompt, (None, 0))
+            if owner is replica:
+                if count > 1:
+                    self._prompts[prompt] = (owner, count - 1)
+                else:
+                    del self._prompts[prompt]
 
     async def abort(self, request_ids):
         for request_id in request_ids:
