@@ -22,8 +22,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return convert.loaded_model_to_proto(loaded)
 
     async def DetermineNumKvBlocks(self, request, context):
+        # On CUDA this runs a profiling forward pass: model work like the rest.
         return worker_pb2.DetermineNumKvBlocksResponse(
-            num_blocks=self.worker.determine_num_kv_blocks())
+            num_blocks=await self.run(self.worker.determine_num_kv_blocks))
 
     async def InitKvCache(self, request, context):
         await self.run(self.worker.init_kv_cache, request.num_blocks)
