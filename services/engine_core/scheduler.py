@@ -39,6 +39,9 @@ class Scheduler:
         # Finished since the last schedule(): sent to workers so they drop state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0
+        # NOTE: a counter, not a scan of `waiting`: stats are read from another
+        # thread while this one changes the queues.
+        self.num_preempted = 0  # waiting requests whose status is PREEMPTED
 
     # ---- requests in and out -------------------------------------------------
 
@@ -70,6 +73,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+                self.num_preempted -= request.status is RequestStatus.PREEMPTED
             self._finish(request, FinishReason.ABORT)
             outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT,
                                             request.num_cached_tokens))
@@ -85,9 +89,6 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
-    @property
-    def num_preempted(self) -> int:
-        return sum(1 for r in self.waiting if r.status is RequestStatus.PREEMPTED)
 
     # ---- one step ------------------------------------------------------------
 
@@ -145,6 +146,8 @@ class Scheduler:
             self.running.append(request)
             if request.status is RequestStatus.WAITING:  # not a resumed preemption
                 request.num_cached_tokens = num_cached
+            else:
+                self.num_preempted -= 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             output.new_requests.append(NewRequestData(
@@ -216,6 +219,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        self.num_preempted += 1
         request.num_computed_tokens = 0
         self.waiting.prepend(request)
         self.num_preemptions += 1

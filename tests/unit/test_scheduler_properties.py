@@ -13,6 +13,7 @@ from services.common.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from services.common.errors import InvalidArgument
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 from services.engine_core.engine_core import EngineCore
+from services.engine_core.request import RequestStatus
 from services.engine_core.scheduler import Scheduler
 from tests.unit.fake_executor import FakeExecutor, reference_tokens
 
@@ -36,6 +37,8 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert block.block_hash == block_hash
     for request in scheduler.running:
         assert len(kv.req_to_blocks[request.request_id]) * BLOCK_SIZE >= request.num_computed_tokens
+    assert scheduler.num_preempted == sum(r.status is RequestStatus.PREEMPTED
+                                          for r in scheduler.waiting)
 
 
 _add = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 40), st.integers(0, 3),
