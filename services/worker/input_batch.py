@@ -84,6 +84,10 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_blocks(new.request_id, new.block_ids)
 
+    def state_of(self, request_id: str) -> RequestState | None:
+        row = self.row_of.get(request_id)
+        return None if row is None else self.states[row]
+
     def remove(self, request_id: str) -> RequestState | None:
         row = self.row_of.pop(request_id, None)
         if row is None:

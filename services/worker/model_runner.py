@@ -100,11 +100,8 @@ class ModelRunner:
             if state is not None and state.span is not None:
                 state.span.end()
         for new in so.new_requests:
-            old = batch.states[batch.row_of[new.request_id]] if new.request_id in batch.row_of \
-                else None
-            span = old.span if old is not None else _tracer.start_span(
-                "worker.request", context=tracing.context_from_headers(new.trace_headers),
-                attributes={"gen_ai.request.id": new.request_id})
+            old = batch.state_of(new.request_id)  # set when resumed after a preemption
+            span = old.span if old is not None else self._request_span(new)
             generator = None
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
@@ -114,6 +111,16 @@ class ModelRunner:
         for cached in so.cached_requests:
             batch.append_blocks(cached.request_id, cached.new_block_ids)
             batch.set_num_computed(cached.request_id, cached.num_computed_tokens)
+
+    @staticmethod
+    def _request_span(new: NewRequestData):
+        """The request's span in this worker, a child of its engine-core span; none
+        when nothing is exported (this runs once per request on the step path)."""
+        if not tracing.is_exporting():
+            return None
+        return _tracer.start_span("worker.request",
+                                  context=tracing.context_from_headers(new.trace_headers),
+                                  attributes={"gen_ai.request.id": new.request_id})
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor):
         """For requests asking for them: the logprob of each next prompt token at the
