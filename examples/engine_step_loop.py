@@ -6,12 +6,12 @@ LLMEngine examples.
 """
 import sys
 
-from llmserve import LLMEngine, SamplingParams
+from llmserve import EngineArgs, LLMEngine, SamplingParams
 
 
 def main(kv_cache_gib: float) -> None:
-    engine = LLMEngine.create(scheduling_policy="priority", max_num_seqs=4,
-                              kv_cache_gib=kv_cache_gib)
+    engine = LLMEngine.from_engine_args(EngineArgs(scheduling_policy="priority", max_num_seqs=4,
+                                                   kv_cache_gib=kv_cache_gib))
     params = SamplingParams(temperature=0.0, max_tokens=24)
     for i in range(6):
         engine.add_request(f"background-{i}", f"Write a sentence about the number {i}.", params,

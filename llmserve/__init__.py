@@ -1,14 +1,15 @@
-"""llmserve: what users import.
+"""llmserve: what users import. The offline API has vLLM's names and types:
 
     from llmserve import LLM, SamplingParams
     outputs = LLM().generate(["Hello"], SamplingParams(max_tokens=16))
+    print(outputs[0].outputs[0].text)
 """
-from services.common.request_types import FinishReason, Logprobs
-from services.common.sampling_params import OutputKind, SamplingParams
-from services.frontend.output_processor import CompletionOutput, RequestOutput
+from services.common.sampling_params import OutputKind, RequestOutputKind, SamplingParams
+from llmserve.engine_args import EngineArgs
+from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "OutputKind", "RequestOutput",
-           "CompletionOutput", "FinishReason", "Logprobs"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind",
+           "OutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name):

@@ -54,7 +54,7 @@ def _generate(argv: list[str]) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from llmserve.client import Client
-    from services.common.sampling_params import SamplingParams
+    from services.common.sampling_params import OutputKind, SamplingParams
 
     defaults = SamplingParams(max_tokens=256, temperature=0.0)
     parser = argparse.ArgumentParser(prog="llmserve generate",
@@ -80,9 +80,10 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--include-stop-str-in-output", action="store_true")
     parser.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false")
     args = parser.parse_args(argv)
-    params = SamplingParams(**{f: getattr(args, f) for f in _SCALAR_SAMPLING_FLAGS + [
-        "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-        "skip_special_tokens"]})
+    params = SamplingParams(output_kind=OutputKind.DELTA, **{
+        f: getattr(args, f) for f in _SCALAR_SAMPLING_FLAGS + [
+            "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+            "skip_special_tokens"]})
     inputs = ({"prompt": args.prompt} if args.no_chat
               else {"chat": [{"role": "user", "content": args.prompt}]})
     texts: dict[int, list[str]] = {}

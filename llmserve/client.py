@@ -5,8 +5,10 @@
             print(chunk.text, end="")
 
 Sampling parameters are SamplingParams fields, given as keyword arguments or as
-`sampling=SamplingParams(...)`. Streams are iterators of GenerateResponse;
-cancelling one (`.cancel()`, or leaving an `async for`) aborts the request.
+`sampling=SamplingParams(...)`; without `sampling`, text streams as DELTA (the
+gRPC API's default; SamplingParams' own default is vLLM's CUMULATIVE). Streams
+are iterators of GenerateResponse; cancelling one (`.cancel()`, or leaving an
+`async for`) aborts the request.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import grpc
 from services.common import convert
 from services.common.grpc_options import CHANNEL_OPTIONS
 from services.common.pb import inference_pb2, inference_pb2_grpc
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import OutputKind, SamplingParams
 
 
 def build_generate_request(prompt: str | None = None, *, chat: list[dict] | None = None,
@@ -27,7 +29,8 @@ def build_generate_request(prompt: str | None = None, *, chat: list[dict] | None
                            request_id: str | None = None, priority: int = 0,
                            add_generation_prompt: bool = True,
                            **sampling_kwargs) -> inference_pb2.GenerateRequest:
-    params = dataclasses.replace(sampling or SamplingParams(), **sampling_kwargs)
+    params = dataclasses.replace(sampling or SamplingParams(output_kind=OutputKind.DELTA),
+                                 **sampling_kwargs)
     request = inference_pb2.GenerateRequest(
         sampling_params=convert.sampling_params_to_proto(params), request_id=request_id,
         priority=priority)

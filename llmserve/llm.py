@@ -1,42 +1,74 @@
 """LLM: offline batched generation in this process (vLLM's `LLM(model).generate`)."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 from tqdm import tqdm
 
 from services.common.config import DEFAULT_MODEL
-from services.common.sampling_params import SamplingParams
-from services.frontend.output_processor import RequestOutput
-from llmserve.llm_engine import LLMEngine, Prompt
+from services.common.sampling_params import OutputKind, SamplingParams
+from llmserve.engine_args import EngineArgs
+from llmserve.llm_engine import LLMEngine
+from llmserve.outputs import RequestOutput
+from llmserve.prompts import PromptType, is_single_prompt
+
+Conversation = list[dict[str, str]]
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
-        """LLM(model, dtype=..., max_model_len=..., kv_cache_gib=..., ...): see
-        llmserve.llm_engine.make_engine_config for every argument."""
-        self.engine = LLMEngine.create(model=model, **kwargs)
+        """LLM(model, dtype=..., max_model_len=..., kv_cache_gib=..., ...): the
+        keyword arguments are EngineArgs' fields."""
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._request_counter = itertools.count()
 
-    def generate(self, prompts: Prompt | list[Prompt],
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Runs every prompt to completion; outputs come back in the prompts' order.
+        sampling_params: one for all prompts, or a list with one per prompt."""
+        if is_single_prompt(prompts):
             prompts = [prompts]
+        return self._run(list(prompts), sampling_params, use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation or a list of them, each rendered with the model's chat
+        template; one RequestOutput per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run(list(conversations), sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(f"offline-{i}", p, sp)
-               for i, (p, sp) in enumerate(zip(prompts, params))]
+        ids = self._add_all(prompts, params)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[i] for i in ids]
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> RequestOutput:
-        """One chat, rendered with the model's chat template."""
-        return self.generate([messages], sampling_params, use_tqdm)[0]
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+        """Queues every prompt, or none if one is refused."""
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                request_id = str(next(self._request_counter))
+                # Only the final outputs are read: skip every intermediate one.
+                self.llm_engine.add_request(
+                    request_id, prompt, dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY))
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return ids

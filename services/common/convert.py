@@ -1,49 +1,100 @@
 """Proto <-> dataclass conversion: the only place it happens."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig
-from services.common.pb import common_pb2, engine_core_pb2, worker_pb2
+from services.common.pb import common_pb2, engine_core_pb2, inference_pb2, worker_pb2
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats, FinishReason, LoadedModel, Logprobs)
 from services.common.sampling_params import OutputKind, SamplingParams
+
+if TYPE_CHECKING:  # the frontend's types; convert is imported by every service
+    from services.frontend.choice import ChoiceOutput
+    from services.frontend.output_processor import GenerationOutput
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
 
 # ---- sampling params -------------------------------------------------------------
 
-_REPEATED_SAMPLING_FIELDS = {"stop_token_ids", "stop"}
+# Fields whose proto form is not a scalar: (from proto, to proto).
+_SAMPLING_COLLECTIONS = {
+    "stop_token_ids": (list, list), "stop": (list, list), "allowed_token_ids": (list, list),
+    "bad_words": (list, list), "logit_bias": (dict, dict),
+    "bad_words_token_ids": (lambda pb: [list(s.token_ids) for s in pb],
+                            lambda seqs: [common_pb2.TokenSequence(token_ids=s) for s in seqs]),
+}
 _SAMPLING_FIELDS = [f for f in SamplingParams.__dataclass_fields__]
 
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Absent fields take SamplingParams' defaults."""
+    """Absent fields take SamplingParams' defaults, except output_kind: DELTA, as
+    streaming callers of the gRPC API expect."""
     values = {}
     for name in _SAMPLING_FIELDS:
-        if name in _REPEATED_SAMPLING_FIELDS:
-            values[name] = list(getattr(pb, name))
+        if name in _SAMPLING_COLLECTIONS:
+            values[name] = _SAMPLING_COLLECTIONS[name][0](getattr(pb, name))
         elif pb.HasField(name):
             values[name] = getattr(pb, name)
-    if values.get("output_kind") == common_pb2.OUTPUT_KIND_UNSPECIFIED:
-        del values["output_kind"]
-    if "output_kind" in values:
-        values["output_kind"] = OutputKind(values["output_kind"])
+    values["output_kind"] = OutputKind(values.get("output_kind") or OutputKind.DELTA)
     return SamplingParams(**values)
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    values = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
-    return common_pb2.SamplingParams(**{k: (int(v) if k == "output_kind" else v)
-                                        for k, v in values.items() if v is not None})
+    values = {}
+    for name in _SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if name in _SAMPLING_COLLECTIONS:
+            value = _SAMPLING_COLLECTIONS[name][1](value)
+        elif name == "output_kind":
+            value = int(value)
+        if value is not None:
+            values[name] = value
+    return common_pb2.SamplingParams(**values)
 
 
 def logprobs_to_proto(lp: Logprobs) -> common_pb2.Logprobs:
     return common_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                               top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+                               top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs,
+                               token=lp.token, top_tokens=lp.top_tokens)
 
 
 def logprobs_from_proto(pb: common_pb2.Logprobs) -> Logprobs:
     return Logprobs(token_id=pb.token_id, logprob=pb.logprob, rank=pb.rank,
                     top_token_ids=list(pb.top_token_ids), top_logprobs=list(pb.top_logprobs))
+
+
+# ---- public API ------------------------------------------------------------------
+
+def generate_responses(output: "GenerationOutput") -> list[inference_pb2.GenerateResponse]:
+    """One GenerateResponse per choice the output reports; prompt logprobs ride on
+    the first of them."""
+    responses = []
+    for choice in output.outputs:
+        response = inference_pb2.GenerateResponse(
+            request_id=output.request_id, index=choice.index, text=choice.text,
+            token_ids=choice.token_ids,
+            logprobs=[logprobs_to_proto(lp) for lp in choice.logprobs or []])
+        if choice.finished:
+            _set_final_fields(response, choice, len(output.prompt_token_ids))
+        responses.append(response)
+    if responses and output.prompt_logprobs:
+        responses[0].prompt_logprobs.extend(logprobs_to_proto(lp) for lp in output.prompt_logprobs)
+    return responses
+
+
+def _set_final_fields(response: inference_pb2.GenerateResponse, choice: "ChoiceOutput",
+                      num_prompt_tokens: int) -> None:
+    response.finish_reason = int(choice.finish_reason)
+    if isinstance(choice.stop_reason, str):
+        response.stop_string = choice.stop_reason
+    elif choice.stop_reason is not None:
+        response.stop_token_id = choice.stop_reason
+    response.usage.CopyFrom(inference_pb2.Usage(
+        prompt_tokens=num_prompt_tokens, completion_tokens=choice.num_generated_tokens,
+        cached_prompt_tokens=choice.num_cached_tokens))
+    response.timings.CopyFrom(inference_pb2.Timings(
+        time_to_first_token_s=choice.time_to_first_token_s, total_s=choice.total_s))
 
 
 # ---- engine core -------------------------------------------------------------------
@@ -133,7 +184,7 @@ def loaded_model_from_proto(pb: worker_pb2.LoadModelResponse) -> LoadedModel:
 def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput:
     return worker_pb2.SchedulerOutput(
         new_requests=[worker_pb2.NewRequestData(
-            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+            request_id=r.request_id, token_ids=r.token_ids,
             sampling_params=sampling_params_to_proto(r.sampling_params),
             block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
             trace_headers=r.trace_headers, eos_token_ids=r.eos_token_ids,
@@ -148,7 +199,7 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
 def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutput:
     return SchedulerOutput(
         new_requests=[NewRequestData(
-            request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+            request_id=r.request_id, token_ids=list(r.token_ids),
             sampling_params=sampling_params_from_proto(r.sampling_params),
             block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens,
             trace_headers=dict(r.trace_headers), eos_token_ids=list(r.eos_token_ids),

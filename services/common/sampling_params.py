@@ -1,4 +1,7 @@
-"""SamplingParams: how to pick tokens and when to stop (see protos/common.proto)."""
+"""SamplingParams: how to pick tokens and when to stop (see protos/common.proto).
+
+Keyword names, defaults and meanings are vLLM's, so `SamplingParams(...)` written
+for vLLM means the same here."""
 from __future__ import annotations
 
 import enum
@@ -8,6 +11,8 @@ from dataclasses import dataclass, field
 from services.common.errors import InvalidArgument
 
 MAX_LOGPROBS = 20
+# vLLM clamps logit_bias values to this range.
+MAX_LOGIT_BIAS = 100.0
 
 
 class OutputKind(enum.IntEnum):
@@ -18,16 +23,21 @@ class OutputKind(enum.IntEnum):
     FINAL_ONLY = 3  # one message at the end
 
 
+# vLLM's name for it (vllm.sampling_params.RequestOutputKind).
+RequestOutputKind = OutputKind
+
+
 @dataclass
 class SamplingParams:
     # How many completions to generate for the prompt (fanned out by the frontend).
     n: int = 1
-    max_tokens: int = 16
+    # None: as many as max_model_len leaves after the prompt.
+    max_tokens: int | None = 16
     # EOS and stop token ids are masked until this many tokens are generated.
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0  # 0: off
     # > 1 discourages tokens already in the prompt or output (vLLM/HF semantics).
     repetition_penalty: float = 1.0
@@ -42,11 +52,36 @@ class SamplingParams:
     logprobs: int | None = None
     # Top logprobs per prompt token; None: off.
     prompt_logprobs: int | None = None
-    # Frontend-only: text stops, detokenization and output shape.
+    # Added to the logits of these token ids before sampling, clamped to +-100.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # When not empty, only these token ids can be generated.
+    allowed_token_ids: list[int] = field(default_factory=list)
+    # Token-id sequences that are never generated: the last token of each is
+    # banned wherever the output so far ends with the ones before it. The
+    # frontend adds the tokenizations of bad_words.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Frontend-only: text stops, bad words, detokenization and output shape.
     stop: list[str] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    output_kind: OutputKind = OutputKind.DELTA
+    # vLLM's default; the gRPC API defaults to DELTA (see convert.py).
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        # vLLM accepts a single stop string, None for empty lists, and -1 for
+        # "top_k off"; normalize once so every consumer sees one form.
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words",
+                     "bad_words_token_ids"):
+            if getattr(self, name) is None:
+                setattr(self, name, [])
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.top_k == -1:
+            self.top_k = 0
 
     @property
     def greedy(self) -> bool:
@@ -61,12 +96,12 @@ class SamplingParams:
         """Raises InvalidArgument naming the first bad field."""
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= (self.max_tokens or math.inf),
              f"must be in [0, max_tokens={self.max_tokens}]"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_p", _finite(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 or -1 disables it)"),
             ("min_p", _finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("repetition_penalty", _finite(self.repetition_penalty)
              and self.repetition_penalty > 0, "must be > 0 (1 disables it)"),
@@ -79,14 +114,22 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None
              or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
             ("stop", all(self.stop), "stop strings must not be empty"),
+            ("bad_words", all(w.strip() for w in self.bad_words), "words must not be empty"),
+            ("logit_bias", all(map(_finite, self.logit_bias.values())), "biases must be finite"),
+            ("bad_words_token_ids", all(self.bad_words_token_ids),
+             "token sequences must not be empty"),
         ]
         for name, ok, problem in checks:
             if not ok:
                 raise InvalidArgument(f"sampling_params.{name}", problem)
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidArgument("sampling_params.stop_token_ids",
-                                  f"{bad[0]} is outside the vocabulary [0, {vocab_size})")
+        id_fields = {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias),
+                     "allowed_token_ids": self.allowed_token_ids,
+                     "bad_words_token_ids": [t for seq in self.bad_words_token_ids for t in seq]}
+        for name, ids in id_fields.items():
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"sampling_params.{name}",
+                                      f"{bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def _finite(x: float) -> bool:

@@ -15,9 +15,9 @@ class NewRequestData:
     """A request the workers have not seen yet (or see again after preemption)."""
 
     request_id: str
-    # NOTE: prompt plus any output tokens already generated; a request resumed
-    # after preemption recomputes all of them.
-    prompt_token_ids: list[int]
+    # NOTE: the prompt, then any output tokens already generated; a request
+    # resumed after preemption recomputes all of them.
+    token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
     # Tokens whose KV is already cached (prefix cache hit).
@@ -25,12 +25,12 @@ class NewRequestData:
     trace_headers: dict[str, str] = field(default_factory=dict)
     # Masked with stop_token_ids until min_tokens; empty when ignore_eos is set.
     eos_token_ids: list[int] = field(default_factory=list)
-    # How many of prompt_token_ids are the real prompt (see NOTE above); None: all.
+    # How many of token_ids are the prompt (see NOTE above); None: all.
     num_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens is None:
-            self.num_prompt_tokens = len(self.prompt_token_ids)
+            self.num_prompt_tokens = len(self.token_ids)
 
 
 @dataclass

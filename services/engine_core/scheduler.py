@@ -152,7 +152,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             output.new_requests.append(NewRequestData(
                 request_id=request.request_id,
-                prompt_token_ids=list(request.all_token_ids),
+                token_ids=list(request.all_token_ids),
                 sampling_params=request.sampling_params,
                 block_ids=kv.block_ids(request.request_id),
                 num_computed_tokens=num_cached,

@@ -8,6 +8,7 @@ from services.common.config import DEFAULT_MODEL
 from services.common.model_store import resolve_model
 from services.common.pb import inference_pb2, inference_pb2_grpc
 from services.common.server import ServiceServer, run_service
+from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import EngineClient
 from services.frontend.router import EngineRouter
 from services.frontend.processor import Processor
@@ -29,17 +30,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def build_servicer(engine: EngineClient, model: str) -> InferenceServicer:
+async def build_async_llm(engine: EngineClient, model: str) -> AsyncLLM:
     model_dir = resolve_model(model)
     tokenizer, eos_token_ids = load_tokenizer(model_dir)
     processor = Processor(tokenizer, await engine.get_info(), eos_token_ids)
-    return InferenceServicer(processor, engine, os.path.basename(model_dir.rstrip("/")))
+    return AsyncLLM(engine, processor, os.path.basename(model_dir.rstrip("/")))
 
 
 async def serve(args: argparse.Namespace) -> None:
     engine = EngineRouter(args.engine_core_addresses.split(","))
     await engine.start(timeout_s=120.0)
-    servicer = await build_servicer(engine, args.model)
+    servicer = InferenceServicer(await build_async_llm(engine, args.model))
     server = ServiceServer(SERVICE_NAME,
                            lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s))
     await server.start(args.host, args.port, args.port_file)

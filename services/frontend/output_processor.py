@@ -1,153 +1,155 @@
-"""OutputProcessor: turns engine-core outputs into what users see, per choice:
-incremental text, stop strings, logprobs, and the DELTA / CUMULATIVE / FINAL_ONLY
-output kinds. Plain Python: the gRPC servicer and the offline LLMEngine share it."""
+"""OutputProcessor: turns engine-core outputs into what callers see, per request.
+
+Transport-free and synchronous, like vLLM v1's OutputProcessor: AsyncLLM (which
+the gRPC and HTTP servers adapt) and the offline LLMEngine both feed it engine
+outputs and get GenerationOutputs back. It owns the n choices of each request,
+their detokenization, stop strings (and which engine requests to abort for
+them), logprob texts and the output kinds.
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from services.common.request_types import EngineCoreOutput, FinishReason, Logprobs
+from services.common.request_types import EngineCoreOutput, Logprobs
 from services.common.sampling_params import OutputKind, SamplingParams
-from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.choice import ChoiceOutput, ChoiceState
+from services.frontend.detokenizer import IncrementalDetokenizer, add_token_texts
 
 
 @dataclass
-class CompletionOutput:
-    """One choice of a request: everything so far, or a delta (see ChoiceState.update)."""
+class GenerationOutput:
+    """What a batch of engine outputs changed for one request."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: list[Logprobs] | None = None
-    finish_reason: FinishReason | None = None
-    # The stop string or stop token id that ended the choice, if one did.
-    stop_reason: str | int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class ChoiceState:
-    """The frontend's state of one engine request (one choice)."""
-
-    index: int
-    engine_request_id: str
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    num_cached_tokens: int = 0
-    # True once a stop string ended the choice: the engine request must be aborted.
-    stopped_by_string: bool = False
-    _sent_text: int = 0
-    _sent_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def update(self, output: EngineCoreOutput) -> CompletionOutput | None:
-        """Applies one engine output; returns what to report now, if anything."""
-        if self.finished:
-            return None
-        self.num_cached_tokens = output.num_cached_tokens
-        if output.new_token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
-        self.token_ids += output.new_token_ids
-        for lp in output.new_logprobs:
-            self.logprobs.append(lp)
-            self.cumulative_logprob += lp.logprob
-        self.text += self.detokenizer.add_tokens(output.new_token_ids)
-        if output.finish_reason is not None:
-            self._finish(output.finish_reason, self._stop_token(output))
-        self._check_stop_strings()
-        return self._report()
-
-    def _stop_token(self, output: EngineCoreOutput) -> int | None:
-        if output.finish_reason is FinishReason.STOP and output.new_token_ids:
-            token = output.new_token_ids[-1]
-            if token in self.params.stop_token_ids:
-                return token
-        return None
-
-    def _check_stop_strings(self) -> None:
-        if not self.params.stop:
-            return
-        # Only the new text (plus an overlap) can hold a stop string not seen before.
-        start = max(0, self._sent_text - max(map(len, self.params.stop)))
-        hits = [(self.text.find(s, start), s) for s in self.params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return
-        pos, stop = min(hits)
-        self.text = self.text[:pos + len(stop) if self.params.include_stop_str_in_output else pos]
-        self.stopped_by_string = not self.finished
-        self.finish_reason = None
-        self._finish(FinishReason.STOP, stop)
-
-    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
-        self.finish_reason = reason
-        self.stop_reason = stop_reason
-        self.finish_time = time.monotonic()
-
-    def snapshot(self) -> CompletionOutput:
-        """Everything so far (less any text that may start a stop string)."""
-        return self._completion(self.text[:self._sendable()], list(self.token_ids),
-                                list(self.logprobs))
-
-    def _sendable(self) -> int:
-        """How much text may be shown: text that could be the beginning of a stop
-        string is held back until it is known not to be one."""
-        holdback = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
-        return max(self._sent_text, len(self.text) - holdback)
-
-    def _report(self) -> CompletionOutput | None:
-        kind = self.params.output_kind
-        if kind is OutputKind.FINAL_ONLY and not self.finished:
-            return None
-        sendable = self._sendable()
-        if kind is OutputKind.DELTA:
-            text = self.text[self._sent_text:sendable]
-            tokens = self.token_ids[self._sent_tokens:]
-            logprobs = self.logprobs[self._sent_tokens:]
-        else:
-            text, tokens, logprobs = self.text[:sendable], list(self.token_ids), list(self.logprobs)
-        if not text and not tokens and not self.finished:
-            return None
-        self._sent_text, self._sent_tokens = sendable, len(self.token_ids)
-        return self._completion(text, tokens, logprobs)
-
-    def _completion(self, text: str, tokens: list[int],
-                    logprobs: list[Logprobs]) -> CompletionOutput:
-        wants_logprobs = self.params.logprobs is not None
-        return CompletionOutput(
-            index=self.index, text=text, token_ids=tokens,
-            cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
-            logprobs=logprobs if wants_logprobs else None,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+    request_id: str
+    prompt: str | None  # the prompt text, when the input was text
+    prompt_token_ids: list[int]
+    # The choices reported now. DELTA and CUMULATIVE: those that changed;
+    # FINAL_ONLY: all n, once, when the last one finishes.
+    outputs: list[ChoiceOutput]
+    # Logprobs of every prompt position after the first, when asked for. They
+    # follow the output kind: DELTA sends them once, with the request's first
+    # output (None after that); CUMULATIVE and FINAL_ONLY with every output.
+    prompt_logprobs: list[Logprobs] | None
+    finished: bool  # every choice has finished
+    num_cached_tokens: int
 
 
 @dataclass
-class RequestOutput:
-    """A request's state as the offline API reports it: every choice so far."""
-
+class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_logprobs: list[Logprobs] | None = None
-    num_cached_tokens: int = 0
+    params: SamplingParams
+    choices: list[ChoiceState]
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    _sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+        return all(c.finished for c in self.choices)
+
+    def make_output(self, reported: dict[int, ChoiceOutput]) -> GenerationOutput | None:
+        """The output for choices that reported in this batch, if there is one."""
+        kind = self.params.output_kind
+        if kind is OutputKind.FINAL_ONLY:
+            if not self.finished:
+                return None
+            reported = {c.index: c.final_output() for c in self.choices}
+        if not reported:
+            return None
+        return GenerationOutput(
+            request_id=self.request_id, prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[reported[i] for i in sorted(reported)],
+            prompt_logprobs=self._prompt_logprobs_to_send(kind), finished=self.finished,
+            num_cached_tokens=self.choices[0].num_cached_tokens)
+
+    def _prompt_logprobs_to_send(self, kind: OutputKind) -> list[Logprobs] | None:
+        if self.params.prompt_logprobs is None:
+            return None
+        if kind is OutputKind.DELTA and self._sent_prompt_logprobs:
+            return None
+        self._sent_prompt_logprobs = True
+        return list(self.prompt_logprobs)
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[GenerationOutput]
+    # Engine requests whose choice a stop string ended: abort them in the engine.
+    engine_ids_to_abort: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        # Engine request id -> (its request, choice index).
+        self._choice_of: dict[str, tuple[RequestState, int]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, engine_request_ids: list[str],
+                    arrival_time: float | None = None) -> RequestState:
+        """Starts tracking a request whose n choices are the given engine requests.
+        arrival_time (time.monotonic()) dates its timings; default: now."""
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        choices = [ChoiceState(i, engine_id, params, IncrementalDetokenizer(
+            self.tokenizer, params.skip_special_tokens), arrival_time=arrival_time)
+            for i, engine_id in enumerate(engine_request_ids)]
+        state = RequestState(request_id, prompt, prompt_token_ids, params, choices)
+        self.requests[request_id] = state
+        for choice in choices:
+            self._choice_of[choice.engine_request_id] = (state, choice.index)
+        return state
+
+    def process_outputs(self, engine_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Applies a batch of engine outputs: one GenerationOutput per request that has
+        something to report. Finished requests are forgotten."""
+        reported: dict[str, dict[int, ChoiceOutput]] = {}
+        to_abort = []
+        for engine_output in engine_outputs:
+            state, index = self._choice_of.get(engine_output.request_id, (None, 0))
+            if state is None:  # aborted, or its choice already ended by a stop string
+                continue
+            changes = reported.setdefault(state.request_id, {})
+            choice_output = self._apply(state, index, engine_output)
+            if choice_output is not None:
+                changes[index] = choice_output
+            if state.choices[index].stopped_by_string:
+                to_abort.append(engine_output.request_id)
+        outputs = []
+        for request_id, changes in reported.items():
+            state = self.requests[request_id]
+            output = state.make_output(changes)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self._forget(state)
+        return ProcessedOutputs(outputs, to_abort)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forgets a request; returns the engine ids of its unfinished choices."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        self._forget(state)
+        return [c.engine_request_id for c in state.choices if not c.finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def _apply(self, state: RequestState, index: int,
+               engine_output: EngineCoreOutput) -> ChoiceOutput | None:
+        if index == 0 and engine_output.prompt_logprobs:
+            add_token_texts(self.tokenizer, engine_output.prompt_logprobs)
+            state.prompt_logprobs += engine_output.prompt_logprobs
+        return state.choices[index].update(engine_output)
+
+    def _forget(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for choice in state.choices:
+            self._choice_of.pop(choice.engine_request_id, None)

@@ -50,6 +50,7 @@ class Processor:
         if len(prompt_token_ids) >= max_len:
             raise InvalidArgument("input", f"the prompt has {len(prompt_token_ids)} tokens; the "
                                   f"model's max_model_len is {max_len} (prompt + output)")
+        sampling_params = self._resolve(sampling_params, len(prompt_token_ids))
         n = sampling_params.n
         return [EngineCoreRequest(
             request_id=request_id if n == 1 else f"{request_id}-{i}",
@@ -58,6 +59,17 @@ class Processor:
                              dataclasses.replace(sampling_params, seed=sampling_params.seed + i)),
             eos_token_ids=self.eos_token_ids, trace_headers=trace_headers, priority=priority)
             for i in range(n)]
+
+    def _resolve(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """What the engine needs spelled out: max_tokens=None as the room max_model_len
+        leaves, and bad_words as token-id sequences."""
+        changes = {}
+        if params.max_tokens is None:
+            changes["max_tokens"] = self.engine_info.max_model_len - num_prompt_tokens
+        if params.bad_words:
+            changes["bad_words_token_ids"] = (params.bad_words_token_ids
+                                              + bad_words_token_ids(self.tokenizer, params.bad_words))
+        return dataclasses.replace(params, **changes) if changes else params
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         self._check_token_ids(token_ids, allow_empty=True)
@@ -80,3 +92,17 @@ class Processor:
             [{"role": m.role, "content": m.content} for m in chat],
             add_generation_prompt=add_generation_prompt, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad words: each word alone, and with a leading space
+    when that gives a different first token and as many tokens (so the word is
+    banned both at the start of the text and after a space)."""
+    sequences = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences

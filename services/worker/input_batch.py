@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionMetadata
 from services.worker.sampler import SamplingMetadata
@@ -76,8 +76,8 @@ class InputBatch:
         row = self._free_rows.pop()
         self.row_of[new.request_id] = row
         self.states[row] = state
-        n = len(new.prompt_token_ids)
-        self.token_ids[row, :n] = new.prompt_token_ids
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
@@ -166,17 +166,15 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
     """The sampler's per-row tensors for the given rows."""
     states = [batch.states[r] for r in rows]
     params = [s.sampling_params for s in states]
-    num_output = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-    min_tokens_masks = [(i, s.eos_token_ids + s.sampling_params.stop_token_ids)
-                        for i, (s, n) in enumerate(zip(states, num_output))
-                        if n < s.sampling_params.min_tokens]
     meta = SamplingMetadata(
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         generators=[s.generator for s in states],
-        min_tokens_masks=[m for m in min_tokens_masks if m[1]],
+        banned_token_ids=_banned_token_ids(batch, rows, states),
+        disallowed_mask=_disallowed_mask(params, vocab_size),
+        logit_bias=_logit_bias(params),
         num_logprobs=([-1 if p.logprobs is None else p.logprobs for p in params]
                       if any(p.logprobs is not None for p in params) else None))
     if any(p.uses_penalties for p in params):
@@ -185,6 +183,48 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
         meta.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
         meta.prompt_token_mask, meta.output_token_counts = _token_histories(batch, rows, vocab_size)
     return meta
+
+
+def _banned_token_ids(batch: InputBatch, rows: np.ndarray,
+                      states: list[RequestState]) -> list[tuple[int, list[int]]]:
+    """Per row, what it must not produce now: EOS and stop ids under min_tokens,
+    and the last token of each bad word whose prefix ends the output (vLLM's rule)."""
+    banned = []
+    for i, (row, state) in enumerate(zip(rows, states)):
+        params = state.sampling_params
+        num_prompt, num_tokens = batch.num_prompt_tokens[row], batch.num_tokens[row]
+        ids = []
+        if num_tokens - num_prompt < params.min_tokens:
+            ids += state.eos_token_ids + params.stop_token_ids
+        for seq in params.bad_words_token_ids:
+            prefix = len(seq) - 1
+            if prefix <= num_tokens - num_prompt and \
+                    batch.token_ids[row, num_tokens - prefix:num_tokens].tolist() == seq[:-1]:
+                ids.append(seq[-1])
+        if ids:
+            banned.append((i, ids))
+    return banned
+
+
+def _disallowed_mask(params: list[SamplingParams], vocab_size: int) -> torch.Tensor | None:
+    if not any(p.allowed_token_ids for p in params):
+        return None
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids:
+            mask[i] = True
+            mask[i, p.allowed_token_ids] = False
+    return mask
+
+
+def _logit_bias(params: list[SamplingParams]):
+    entries = [(i, token, max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, bias)))
+               for i, p in enumerate(params) for token, bias in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, token_ids, biases = zip(*entries)
+    return (torch.tensor(rows, dtype=torch.int64), torch.tensor(token_ids, dtype=torch.int64),
+            torch.tensor(biases, dtype=torch.float32))
 
 
 def _token_histories(batch: InputBatch, rows: np.ndarray, vocab_size: int):

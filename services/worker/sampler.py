@@ -1,13 +1,14 @@
 """Sampler: one token per request from its logits, vectorized over a batch whose
 requests each have their own parameters.
 
-Order (as in vLLM v1): logprobs of the raw logits; min_tokens masking;
+Order (as in vLLM v1): logprobs of the raw logits; allowed_token_ids; banned
+tokens (bad words, and EOS/stop ids under min_tokens); logit_bias;
 repetition/presence/frequency penalties; then greedy argmax, or temperature,
 min-p, top-k/top-p and a draw.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,8 +24,14 @@ class SamplingMetadata:
     top_p: torch.Tensor
     min_p: torch.Tensor
     generators: list[torch.Generator | None]
-    # Rows still under min_tokens, and the token ids they must not produce yet.
-    min_tokens_masks: list[tuple[int, list[int]]]
+    # Per row, token ids it must not produce this step: EOS and stop ids while
+    # under min_tokens, and the last token of each bad word whose prefix the
+    # output ends with.
+    banned_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    # [B, V] True where a row that lists allowed_token_ids does not allow a token.
+    disallowed_mask: torch.Tensor | None = None
+    # logit_bias as (rows, token ids, biases), each [N].
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Penalties (None when no row uses any).
     repetition_penalty: torch.Tensor | None = None
     presence_penalty: torch.Tensor | None = None
@@ -44,7 +51,12 @@ class Sampler:
                  meta: SamplingMetadata) -> tuple[torch.Tensor, list[Logprobs | None]]:
         """logits: [B, V] fp32 -> token ids [B] and, per row, its logprobs (or None)."""
         raw_logprobs = logits.log_softmax(dim=-1) if meta.num_logprobs else None
-        logits = apply_min_tokens(logits, meta.min_tokens_masks)
+        if meta.disallowed_mask is not None:
+            logits = logits.masked_fill(meta.disallowed_mask, float("-inf"))
+        logits = apply_banned_tokens(logits, meta.banned_token_ids)
+        if meta.logit_bias is not None:
+            rows, token_ids, biases = meta.logit_bias
+            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
         tokens = logits.argmax(dim=-1)
@@ -65,11 +77,12 @@ class Sampler:
         return draw(logits.softmax(dim=-1), meta.generators)
 
 
-def apply_min_tokens(logits: torch.Tensor, masks: list[tuple[int, list[int]]]) -> torch.Tensor:
-    if not masks:
+def apply_banned_tokens(logits: torch.Tensor,
+                        banned: list[tuple[int, list[int]]]) -> torch.Tensor:
+    if not banned:
         return logits
-    rows = torch.tensor([row for row, ids in masks for _ in ids], dtype=torch.int64)
-    cols = torch.tensor([t for _, ids in masks for t in ids], dtype=torch.int64)
+    rows = torch.tensor([row for row, ids in banned for _ in ids], dtype=torch.int64)
+    cols = torch.tensor([t for _, ids in banned for t in ids], dtype=torch.int64)
     return logits.index_put((rows, cols), torch.tensor(float("-inf")))
 
 

@@ -53,10 +53,15 @@ def _wait_gone(pids, timeout_s=20.0):
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
 def test_serve_stops_every_service(model_dir, stop_signal):
     process, address = _start_serve(model_dir)
-    children = _children(process.pid)
-    assert len(children) == 3
-    with Client(address) as client:
-        assert list(client.generate(prompt="Hi", max_tokens=4))[-1].usage.completion_tokens == 4
-    process.send_signal(stop_signal)
-    process.wait(timeout=30)
-    _wait_gone(children)
+    try:
+        children = _children(process.pid)
+        assert len(children) == 3
+        with Client(address) as client:
+            assert list(client.generate(prompt="Hi", max_tokens=4))[-1].usage.completion_tokens == 4
+        process.send_signal(stop_signal)
+        process.wait(timeout=30)
+        _wait_gone(children)
+    finally:  # a failed check must not leave a server running
+        if process.poll() is None:
+            process.kill()  # its services die with it (PR_SET_PDEATHSIG)
+            process.wait()

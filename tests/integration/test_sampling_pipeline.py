@@ -5,6 +5,7 @@ import torch
 
 from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
+from services.frontend.processor import bad_words_token_ids
 from tests.conftest import PROMPTS, make_engine_core
 
 
@@ -78,3 +79,13 @@ def test_min_tokens_and_penalties_run_through_the_engine(model_dir, tokenizer):
         max_tokens=len(short), temperature=0, repetition_penalty=1.5, frequency_penalty=1.0),
         eos)])["pen"])
     assert penalized != short
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tokenizer):
+    # With and without a leading space; the spaced form only when its first
+    # token differs and it has as many tokens.
+    [plain, spaced] = bad_words_token_ids(tokenizer, ["Paris"])
+    assert plain == tokenizer.encode("Paris", add_special_tokens=False)
+    assert spaced == tokenizer.encode(" Paris", add_special_tokens=False)
+    assert bad_words_token_ids(tokenizer, [" hello"])[0] == tokenizer.encode(
+        "hello", add_special_tokens=False)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import (MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, LlamaFileType,
-                  RopeScalingType, get_tensor_name_map)
+                  RopeScalingType, TokenType, get_tensor_name_map)
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 _ARCHS = {"llama": MODEL_ARCH.LLAMA, "mistral": MODEL_ARCH.LLAMA,
           "qwen2": MODEL_ARCH.QWEN2, "qwen3": MODEL_ARCH.QWEN3}
@@ -67,10 +68,38 @@ def _tensors(model: torch.nn.Module, arch: MODEL_ARCH):
         yield f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data)
 
 
-def write_gguf(model: torch.nn.Module, path: str) -> None:
+# A byte-level BPE tokenizer as llama.cpp stores SmolLM's: the 256 byte symbols,
+# three special tokens, a few merges; the rest of the vocabulary is unused.
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_MERGES = ["Ġ t", "h e", "Ġt he", "i n"]
+_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% endif %}")
+
+
+def _write_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
+    tokens = list(bytes_to_unicode().values()) + _SPECIAL_TOKENS + [m.replace(" ", "")
+                                                                      for m in _MERGES]
+    types = ([TokenType.NORMAL] * 256 + [TokenType.CONTROL] * len(_SPECIAL_TOKENS)
+             + [TokenType.NORMAL] * len(_MERGES))
+    unused = vocab_size - len(tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens + [f"<unused_{i}>" for i in range(unused)])
+    writer.add_token_types(types + [TokenType.UNUSED] * unused)
+    writer.add_token_merges(_MERGES)
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(258)
+    writer.add_chat_template(_CHAT_TEMPLATE)
+
+
+def write_gguf(model: torch.nn.Module, path: str, with_tokenizer: bool = False) -> None:
+    """with_tokenizer: also a small byte-level BPE tokenizer and chat template,
+    so transformers can load a whole model (weights and tokenizer) from the file."""
     arch = _ARCHS[model.config.model_type]
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[arch])
     _write_metadata(writer, model.config)
+    if with_tokenizer:
+        _write_tokenizer(writer, model.config.vocab_size)
     for name, data in _tensors(model, arch):
         writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()

@@ -44,7 +44,7 @@ class FakeExecutor(Executor):
         for request_id in so.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in so.new_requests:
-            self.requests[new.request_id] = {"tokens": list(new.prompt_token_ids),
+            self.requests[new.request_id] = {"tokens": list(new.token_ids),
                                              "blocks": list(new.block_ids),
                                              "computed": new.num_computed_tokens}
         for cached in so.cached_requests:

@@ -9,12 +9,12 @@ V = 12
 
 
 def metadata(batch, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
-             num_logprobs=None, min_tokens_masks=()):
+             num_logprobs=None, banned_token_ids=()):
     full = lambda v, dtype=torch.float32: torch.full((batch,), v, dtype=dtype)  # noqa: E731
     return SamplingMetadata(temperature=full(temperature), top_k=full(top_k, torch.int64),
                             top_p=full(top_p), min_p=full(min_p),
                             generators=generators or [None] * batch,
-                            min_tokens_masks=list(min_tokens_masks), num_logprobs=num_logprobs)
+                            banned_token_ids=list(banned_token_ids), num_logprobs=num_logprobs)
 
 
 def draws(logits_row, n, **kwargs):
@@ -96,10 +96,10 @@ def test_penalties_match_the_formula():
             assert math.isclose(got[i, t].item(), x, rel_tol=1e-5, abs_tol=1e-6)
 
 
-def test_min_tokens_masks_stop_ids():
+def test_banned_token_ids_are_never_drawn():
     logits = torch.zeros(2, V)
     logits[:, 3] = 10.0  # the stop token would win by far
-    tokens, _ = Sampler()(logits, metadata(2, temperature=0.0, min_tokens_masks=[(0, [3])]))
+    tokens, _ = Sampler()(logits, metadata(2, temperature=0.0, banned_token_ids=[(0, [3])]))
     assert tokens[0] != 3 and tokens[1] == 3
 
 

@@ -1,0 +1,176 @@
+"""AsyncLLM: the frontend's one transport-free core (vLLM's AsyncLLM).
+
+generate() tokenizes (off the event loop), fans the n choices out to the engine,
+merges their streams, and runs every engine output through the OutputProcessor
+(detokenization, stop strings and their aborts, output kinds, timings). The gRPC
+servicer and the HTTP server only convert requests in and GenerationOutputs out.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from services.common import tracing
+from services.common.errors import AlreadyExists, LLMServeError
+from services.common.request_types import EngineCoreOutput, EngineCoreRequest
+from services.common.sampling_params import SamplingParams
+from services.frontend.engine_client import EngineClient
+from services.frontend.output_processor import GenerationOutput, OutputProcessor, RequestState
+from services.frontend.processor import ChatMessage, Processor
+
+logger = logging.getLogger(__name__)
+_tracer = tracing.tracer(__name__)
+
+
+@dataclass
+class PromptInput:
+    """Exactly one of text, token ids or chat messages (Processor.tokenize checks)."""
+
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    def tokenize_kwargs(self) -> dict:
+        return {"prompt": self.prompt, "token_ids": self.token_ids, "chat": self.chat,
+                "add_generation_prompt": self.add_generation_prompt}
+
+
+@dataclass
+class RequestOptions:
+    """What a request carries besides its input and sampling parameters."""
+
+    priority: int = 0
+    # The caller's trace context (from gRPC metadata or HTTP headers).
+    trace_context: otel_context.Context | None = None
+    attributes: dict = field(default_factory=dict)  # extra span attributes
+
+
+class AsyncLLM:
+    def __init__(self, engine: EngineClient, processor: Processor, model_name: str):
+        self.engine = engine
+        self.processor = processor
+        self.model_name = model_name
+        self.output_processor = OutputProcessor(processor.tokenizer)
+        # Ids reserved from the moment a request arrives (before tokenization ends).
+        self._live_request_ids: set[str] = set()
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    async def tokenize(self, prompt: PromptInput) -> list[int]:
+        """Token ids, computed on a thread: a long input or chat template does not
+        hold up the event loop that streams other requests."""
+        return await asyncio.to_thread(self.processor.tokenize, **prompt.tokenize_kwargs())
+
+    async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+                       options: RequestOptions | None = None) -> AsyncIterator[GenerationOutput]:
+        """The request's outputs as they come; leaving early aborts it in the engine.
+        Raises LLMServeError subclasses (InvalidArgument, ResourceExhausted, ...)."""
+        options = options or RequestOptions()
+        if request_id in self._live_request_ids:
+            raise AlreadyExists(f"request_id {request_id!r} is still running; use another id")
+        self._live_request_ids.add(request_id)
+        arrival_time = time.monotonic()
+        span = _tracer.start_span("frontend.request", context=options.trace_context,
+                                  attributes=self._span_attributes(request_id, params, options))
+        state, outcome = None, "cancelled"
+        # The span stays current throughout: the engine call carries its context.
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                prompt_ids = await self.tokenize(prompt)
+                engine_requests = self.processor.make_requests(
+                    request_id, prompt_ids, params, tracing.current_trace_headers(),
+                    options.priority)
+                state = self.output_processor.add_request(
+                    request_id, prompt.prompt, prompt_ids, params,
+                    [r.request_id for r in engine_requests], arrival_time)
+                async for output in self._outputs(engine_requests):
+                    yield output
+            outcome = ",".join(str(c.finish_reason) for c in state.choices)
+        except LLMServeError as e:
+            outcome = f"failed ({e.code.name})"
+            raise
+        finally:
+            self._live_request_ids.discard(request_id)
+            self.output_processor.abort_request(request_id)  # forgets it if still there
+            self._record(span, request_id, state, outcome)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a running request in the engine (its stream then ends)."""
+        engine_ids = self.output_processor.abort_request(request_id)
+        if engine_ids:
+            await self.engine.abort(engine_ids)
+
+    async def _outputs(self, requests: list[EngineCoreRequest]) -> AsyncIterator[GenerationOutput]:
+        async for engine_output in self._merged(requests):
+            processed = self.output_processor.process_outputs([engine_output])
+            if processed.engine_ids_to_abort:
+                await self.engine.abort(processed.engine_ids_to_abort)
+            for output in processed.outputs:
+                yield output
+
+    async def _merged(self, requests: list[EngineCoreRequest]) -> AsyncIterator[EngineCoreOutput]:
+        """The engine streams of all choices, interleaved as outputs arrive.
+        Leaving early cancels every stream, which aborts its engine request; so does
+        one choice's failure (the others would have nobody reading them)."""
+        if len(requests) == 1:
+            async for output in self.engine.generate(requests[0]):
+                yield output
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(request: EngineCoreRequest) -> None:
+            try:
+                async for output in self.engine.generate(request):
+                    queue.put_nowait(output)
+                queue.put_nowait(None)
+            except Exception as e:  # handed to the consumer
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(r)) for r in requests]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _span_attributes(self, request_id: str, params: SamplingParams,
+                         options: RequestOptions) -> dict:
+        return {"gen_ai.request.id": request_id, "gen_ai.request.n": params.n,
+                "gen_ai.request.max_tokens": params.max_tokens or 0,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p,
+                "gen_ai.request.model": self.model_name, **options.attributes}
+
+    def _record(self, span, request_id: str, state: RequestState | None, outcome: str) -> None:
+        """Ends the request's span, and logs its one line."""
+        now = time.monotonic()
+        num_prompt = len(state.prompt_token_ids) if state else 0
+        generated = sum(len(c.token_ids) for c in state.choices) if state else 0
+        start = state.choices[0].arrival_time if state else now
+        first = min((c.first_token_time for c in state.choices if c.first_token_time),
+                    default=now) if state else now
+        span.set_attributes({
+            "gen_ai.usage.input_tokens": num_prompt, "gen_ai.usage.output_tokens": generated,
+            "gen_ai.response.finish_reasons": outcome.split(","),
+            "gen_ai.response.model": self.model_name})
+        span.end()
+        logger.info("request %s %s: %d prompt + %d generated tokens, ttft %.3f s, e2e %.3f s",
+                    request_id, outcome, num_prompt, generated, first - start, now - start)
