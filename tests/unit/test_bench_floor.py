@@ -1,0 +1,111 @@
+"""The machine floor's arithmetic (and a tiny measurement, for shape, not speed)."""
+import json
+import math
+
+import pytest
+
+from bench import floor
+from bench.floor import Measured, ModelShape
+from bench.settings import Settings
+
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 30,
+           "vocab_size": 49152}
+
+
+def test_default_shape_is_the_default_models_linears(tmp_path):
+    shape = ModelShape()
+    assert shape.linears() == [("qkv", 576, 960, 30), ("o", 576, 576, 30),
+                               ("gate_up", 576, 3072, 30), ("down", 1536, 576, 30),
+                               ("lm_head", 576, 49152, 1)]
+    body = 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
+    assert shape.params(with_head=False) == body
+    assert shape.params() == body + 576 * 49152
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    assert ModelShape.from_model_dir(str(tmp_path)) == shape
+
+
+def test_head_dim_defaults_to_hidden_over_heads(tmp_path):
+    config = {k: v for k, v in SMOLLM2.items() if k not in ("head_dim", "num_key_value_heads")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_model_dir(str(tmp_path))
+    assert shape.head_dim == 64 and shape.kv_heads == 9
+
+
+def test_rate_is_the_best_measured_at_or_below_m():
+    m = Measured(gflop_s={1: 5.0, 8: 40.0, 64: 100.0, 256: 80.0}, stream_gb_s=10.0,
+                 bytes_per_param=4)
+    assert [m.rate(x) for x in (1, 8, 63, 64, 256, 1000)] == [5.0, 40.0, 40.0, 100.0, 100.0,
+                                                              100.0]
+
+
+# A toy model: 1 layer of 2x2 linears and a 2x4 head, so every number is checkable by hand.
+TOY = ModelShape(hidden=2, intermediate=2, heads=1, kv_heads=1, head_dim=2, layers=1, vocab=4)
+TOY_M = Measured(gflop_s={1: 1.0, 2: 2.0, 4: 4.0}, stream_gb_s=1.0, bytes_per_param=4)
+
+
+def test_toy_shape_params():
+    # qkv 2x6, o 2x2, gate_up 2x4, down 2x2 = 12 + 4 + 8 + 4 = 28; head 2x4 = 8.
+    assert TOY.params(with_head=False) == 28 and TOY.params() == 36
+
+
+def test_decode_is_gemm_bound_in_batches_and_weight_bound_alone():
+    # batch 4: 10 tokens x 2 FLOPs x 36 params at 4 GFLOP/s.
+    assert floor.decode_seconds(TOY, TOY_M, 10, 4) == pytest.approx(10 * 72 / 4e9)
+    # one stream: each token reads 36 params x 4 bytes at 1 GB/s.
+    assert floor.decode_seconds(TOY, TOY_M, 10, 1) == pytest.approx(10 * 144 / 1e9)
+
+
+def test_workload_floor_adds_prefill_through_the_body_only():
+    f = floor.workload_floor(TOY, TOY_M, requests=2, prompt_len=3, output_len=5, batch=2)
+    # prefill: 6 tokens x 2 x 28 at the rate of min(256, 6) rows (best <= 6: 4 GFLOP/s);
+    # decode: 10 tokens x 2 x 36 at 2 GFLOP/s.
+    seconds = 6 * 56 / 4e9 + 10 * 72 / 2e9
+    assert f["seconds"] == pytest.approx(seconds)
+    assert f["output_tok_s"] == pytest.approx(10 / seconds)
+    assert f["total_tok_s"] == pytest.approx(16 / seconds)
+    assert "itl_s" not in f
+
+
+def test_single_stream_floor_has_a_per_token_time():
+    f = floor.workload_floor(TOY, TOY_M, requests=1, prompt_len=3, output_len=5, batch=1)
+    assert f["itl_s"] == pytest.approx(144 / 1e9)
+    assert f["decode_tok_s"] == pytest.approx(1e9 / 144)
+    # prefill of 3 rows at the best rate at or below M=3 (2 GFLOP/s).
+    assert f["seconds"] == pytest.approx(3 * 56 / 2e9 + 5 * 144 / 1e9)
+
+
+def test_floors_cover_every_workload_of_the_settings():
+    s = Settings(requests=2, large_requests=4, prompt_len=3, output_len=5,
+                 single_stream_len=6, concurrency=[1, 2], serving_requests=2)
+    assert floor.batch_sizes(s) == [1, 2, 3, 4, 6]
+    out = floor.floors(TOY, Measured(gflop_s={m: float(m) for m in floor.batch_sizes(s)},
+                                     stream_gb_s=1.0, bytes_per_param=4), s)
+    assert set(out) == {"offline", "offline_large", "single_stream", "batch1", "serving"}
+    assert set(out["serving"]) == {"1", "2"}
+    assert out["serving"]["2"] == out["offline"]  # same requests, same batch
+    assert all(math.isfinite(f["output_tok_s"]) and f["output_tok_s"] > 0
+               for f in [*(out[k] for k in ("offline", "offline_large", "single_stream")),
+                         *out["serving"].values()])
+
+
+def test_stream_rate_is_the_faster_of_copy_and_gemv():
+    assert floor.stream_rate({"copy_gb_s": 10.0, "gemv_gb_s": 20.0}) == 20.0
+    assert floor.stream_rate({"copy_gb_s": 10.0, "gemv_gb_s": 5.0}) == 10.0
+
+
+def test_measure_reports_every_m_and_json_round_trips():
+    result = floor.measure(TOY, "float32", [1, 2])
+    result = json.loads(json.dumps(result))
+    assert set(result["passes"]) == set(result["gflop_s"]) == {"1", "2"}
+    assert set(result["passes"]["2"]["shapes_s"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert result["weight_bytes"] == 36 * 4
+    assert result["copy_gb_s"] > 0 and result["gemv_gb_s"] > 0
+    assert floor.measured_from(result).gflop_s.keys() == {1, 2}
+
+
+def test_no_larger_run_no_larger_floor():
+    s = Settings(requests=2, large_requests=0, prompt_len=3, output_len=5, concurrency=[1])
+    assert 0 not in floor.batch_sizes(s)
+    out = floor.floors(TOY, Measured({m: 1.0 for m in floor.batch_sizes(s)}, 1.0, 4), s)
+    assert "offline_large" not in out
