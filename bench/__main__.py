@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
                    help="requests of the Poisson run")
     p.add_argument("--baseline-b1-requests", type=int, default=d.baseline_b1_requests,
                    help="prompts run at batch 1 by transformers for the latency baseline")
-    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib)
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
+                   help="KV cache of llmserve and vLLM-CPU, GiB (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--skip-offline", action="store_true", help="no offline or single-stream run")
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")

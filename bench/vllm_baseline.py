@@ -3,6 +3,7 @@ on the bench's own prompts, summarized here with the bench's own metrics code.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -96,10 +97,10 @@ def run_vllm(env: VllmEnv, s: Settings, model_dir: str) -> dict:
     """Every vLLM figure of the run, summarized, with how vLLM was set up."""
     log_path = Path(env.venv).parent / "vllm-runner.log"
     load_before = os.getloadavg()[0]
-    raw = run_runner(env, make_spec(s, model_dir), s.vllm_kv_cache_gib, log_path)
+    raw = run_runner(env, make_spec(s, model_dir), math.ceil(s.kv_cache_gib), log_path)
     out = summarize(raw)
     # Only the variables the bench sets: the rest of the environment stays out of results.
-    run_env = runtime_env(env, base={}, kv_cache_gib=s.vllm_kv_cache_gib)
+    run_env = runtime_env(env, base={}, kv_cache_gib=math.ceil(s.kv_cache_gib))
     out["setup"] = {"venv": env.venv, "torch": env.torch, "vllm": env.vllm, "notes": env.notes,
                     "env": run_env, "log": str(log_path), "load_before": load_before,
                     "load_after": os.getloadavg()[0]}

@@ -1,12 +1,18 @@
-"""Building blocks of the Llama-family models: norms, rotary embedding, activation.
+"""Building blocks of the Llama-family models: norms, rotary embedding, activation,
+over the element-wise kernels of kernels/cpu_layers.py (C++ on the CPU, torch
+elsewhere).
 
 The (tensor-parallel) linear layers are in linear.py."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels.cpu_layers import fused_add_rms_norm, rms_norm, rotary_embedding
+from kernels.cpu_layers import silu_and_mul  # noqa: F401 (the models' activation)
 
 
 class RMSNorm(nn.Module):
@@ -15,42 +21,42 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 whatever the model dtype, as the HF reference does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x); or, given the residual stream, residual += x in place and
+        (rms_norm(residual), residual) (vLLM's fused form: one pass, no new tensor)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
+
+
+@dataclass
+class Rope:
+    """What every layer needs to rotate this step's q and k."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin: torch.Tensor  # [max_positions, 2, head_dim / 2] fp32
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to max_positions, computed once."""
+    """cos and sin of every frequency at every position up to max_positions, once."""
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
         inv_freq, scaling = rope_frequencies(config, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         # transformers scales cos and sin alike (yarn's attention factor), so the
         # attention logits grow by scaling squared.
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        cos_sin = torch.stack((angles.cos(), angles.sin()), dim=1) * scaling
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
-        """cos and sin [T, 1, D] of each token's position, looked up once per step
-        and shared by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+    def forward(self, positions: torch.Tensor) -> Rope:
+        return Rope(positions, self.cos_sin)
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KV, D]; rotates both by each token's position."""
-    cos, sin = rope
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> None:
+    """Rotates q [T, H, D] and k [T, KV, D] in place by each token's position."""
+    rotary_embedding(q, k, rope.positions, rope.cos_sin)
 
 
 # Rope types whose frequencies are fixed: cos/sin can be computed once for all
@@ -77,14 +83,3 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
         raise NotImplementedError(f"partial rotary embedding ({2 * inv_freq.numel()} of "
                                   f"{head_dim} dims) is not supported")
     return inv_freq, float(scaling)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up

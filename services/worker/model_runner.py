@@ -42,8 +42,10 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.model.attention_layers:
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                dtype=self.dtype, device=self.device)
+            # Each backend lays its cache out as its kernels read it best.
+            shape = layer.backend.kv_cache_shape(num_blocks, self.block_size,
+                                                 layer.num_kv_heads, layer.head_dim)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

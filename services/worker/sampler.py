@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu_layers import argmax_rows
 from services.common.request_types import Logprobs
 
 
@@ -59,7 +60,7 @@ class Sampler:
             logits = logits.index_put((rows, token_ids), biases, accumulate=True)
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         if not meta.all_greedy:
             tokens = torch.where(meta.temperature == 0, tokens, self._sample(logits, meta))
         if raw_logprobs is None:

@@ -1,28 +1,56 @@
-"""The C++ CPU decode-attention kernel against its torch reference."""
+"""The C++ paged KV cache kernels (write, decode attention) against their torch
+references, in every dtype and block size the CPU backend takes."""
 import pytest
 import torch
 
-from kernels.cpu_paged_attention import (load_kernel, paged_decode_attention,
-                                         paged_decode_attention_reference)
+from kernels.cpu_build import cpu_ops_available
+from kernels.cpu_paged_attention import (kv_cache_shape, paged_decode_attention,
+                                         paged_decode_attention_reference, split_kv_cache,
+                                         write_kv_cache, write_kv_cache_reference)
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def test_the_kernel_builds_here():
-    assert load_kernel() is not None, "see the warning above: compiler, headers or ninja missing"
+def test_the_kernels_build_here():
+    assert cpu_ops_available(), "see the warning above: compiler, headers or ninja missing"
+
+
+def _caches(num_blocks, block_size, kv_heads, d, dtype, gen):
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, d), generator=gen)
+    return split_kv_cache(cache.to(dtype), block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_equals_reference(block_size, dtype):
+    gen = torch.Generator().manual_seed(block_size)
+    kv_heads, d, num_blocks = 3, 64, 8
+    key_cache, value_cache = _caches(num_blocks, block_size, kv_heads, d, dtype, gen)
+    expected = (key_cache.clone(), value_cache.clone())
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:40]
+    k = torch.randn(40, kv_heads, d, generator=gen).to(dtype)
+    v = torch.randn(40, kv_heads, d, generator=gen).to(dtype)
+    write_kv_cache(k, v, key_cache, value_cache, slots)
+    write_kv_cache_reference(k, v, *expected, slots)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
 
 
 @pytest.mark.parametrize("batch, heads, kv_heads, max_len", [(1, 9, 3, 1), (7, 9, 3, 70),
-                                                              (5, 4, 4, 33), (3, 8, 1, 130)])
-def test_kernel_equals_reference(batch, heads, kv_heads, max_len):
-    torch.manual_seed(batch)
-    num_blocks, block_size, d = 64, 16, 64
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, d)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, d)
-    query = torch.randn(batch, heads, d)
-    seq_lens = torch.randint(1, max_len + 1, (batch,))
+                                                              (5, 4, 4, 33), (3, 8, 1, 130),
+                                                              (2, 9, 3, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtype, block_size):
+    gen = torch.Generator().manual_seed(batch * 1000 + max_len)
+    num_blocks, d = 64, 64
+    key_cache, value_cache = _caches(num_blocks, block_size, kv_heads, d, dtype, gen)
+    query = torch.randn(batch, heads, d, generator=gen).to(dtype)
+    seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen)
     seq_lens[0] = max_len
-    block_table = torch.randperm(num_blocks)[:batch * 9].reshape(batch, 9)
-    block_table = block_table[:, :-(-max_len // block_size)]
+    width = -(-max_len // block_size)
+    block_table = torch.randperm(num_blocks, generator=gen)[:batch * width].reshape(batch, width)
     got = paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, 0.125)
-    want = paged_decode_attention_reference(query, key_cache, value_cache, block_table, seq_lens,
-                                            0.125)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want = paged_decode_attention_reference(query.float(), key_cache.float(), value_cache.float(),
+                                            block_table, seq_lens, 0.125)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

@@ -116,15 +116,20 @@ def test_backend_matches_torch_sdpa(batch):
     meta = build_metadata(requests, _random_block_ids(requests, gen), BLOCK_SIZE)
     q, k, v, initial = _random_inputs(meta, gen)
     scale = HEAD_DIM ** -0.5
-    sdpa_cache, flash_cache = initial.clone(), initial.clone()
+    sdpa, flash = TorchSDPABackend(), FlashAttentionBackend(flash_attn_varlen_func_reference)
+    flash_cache = initial.clone()
+    sdpa_cache = torch.empty(sdpa.kv_cache_shape(initial.shape[1], BLOCK_SIZE, *initial.shape[3:]))
+    for logical, content in zip(sdpa.logical_kv(sdpa_cache, BLOCK_SIZE), initial):
+        logical.copy_(content)
 
-    expected = TorchSDPABackend().forward(q, k, v, sdpa_cache, meta, scale)
-    actual = FlashAttentionBackend(flash_attn_varlen_func_reference).forward(
-        q, k, v, flash_cache, meta, scale)
+    expected = sdpa.forward(q, k, v, sdpa_cache, meta, scale)
+    actual = flash.forward(q, k, v, flash_cache, meta, scale)
 
     assert actual.shape == q.shape
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(flash_cache, sdpa_cache)
+    for a, b in zip(flash.logical_kv(flash_cache, BLOCK_SIZE),
+                    sdpa.logical_kv(sdpa_cache, BLOCK_SIZE)):
+        assert torch.equal(a, b)
 
 
 @needs_triton

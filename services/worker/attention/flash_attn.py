@@ -44,6 +44,17 @@ class FlashAttentionBackend:
     def __init__(self, varlen_fn: VarlenFn | None = None):
         self._varlen_fn = load_flash_attn_varlen() if varlen_fn is None else varlen_fn
 
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        """flash-attn's paged layout: [2, num_blocks, block_size, KV, D]."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @staticmethod
+    def logical_kv(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as [num_blocks, block_size, KV, D] (already so)."""
+        return kv_cache[0], kv_cache[1]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KV, D] for the new tokens; returns [T, H, D]."""

@@ -1,0 +1,47 @@
+"""Builds the CPU kernels (csrc/*.cpp) into one extension on first use, for the
+host CPU (-march=native: AVX-512 code where the CPU has it, AVX2 elsewhere), and
+registers them as torch.ops.llmserve.*. torch caches the build under
+~/.cache/torch_extensions and rebuilds when a source changes."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+_CSRC = Path(__file__).parent / "csrc"
+# -march=native: the host's SIMD (AVX-512 or AVX2), with 512-bit vectors where it
+# has them (GCC prefers 256 on Intel by default). -fno-trapping-math and
+# -fno-math-errno let floor, conversions and sqrt vectorize; unlike -ffast-math
+# they keep the order of every sum. -fopenmp compiles at::parallel_for's OpenMP
+# path in; libgomp.so.1 then resolves to the copy torch has loaded (one runtime).
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math",
+           "-fno-math-errno", "-fopenmp"]
+
+
+@functools.cache
+def cpu_ops_available() -> bool:
+    """Builds and loads the extension once; False (and a warning) when it cannot be
+    built here, and callers then use the torch reference of each op."""
+    try:
+        import ninja  # the PyPI package: its binary is not on PATH inside a venv
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        from torch.utils.cpp_extension import load
+        start = time.perf_counter()
+        load(name="llmserve_cpu_ops", sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
+             extra_cflags=_CFLAGS,
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
+        return True
+    except Exception as e:  # no compiler, headers or ninja: fall back, loudly
+        logger.warning("CPU kernels unavailable (%s); using the torch reference ops", e)
+        return False
+
+
+def use_cpu_ops(*tensors: torch.Tensor) -> bool:
+    """Whether the C++ kernels serve these (CPU) tensors."""
+    return all(t.device.type == "cpu" for t in tensors) and cpu_ops_available()

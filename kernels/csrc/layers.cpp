@@ -1,0 +1,168 @@
+// The element-wise layers of a Llama-family decoder, each one pass over memory
+// instead of torch's several: RMSNorm (optionally fused with the residual add),
+// rotary embedding applied in place to q and k, and SiLU(gate) * up.
+//
+// Rounding follows the transformers reference: RMSNorm computes in fp32, rounds
+// the normalized value to the model dtype, then multiplies by the weight (two
+// roundings in bf16, none in fp32). The sum of squares is a vectorized reduction,
+// as torch's mean is, so it can differ from torch in the last bit.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+
+#include "vector_math.h"
+
+namespace {
+
+template <typename scalar_t>
+inline void rms_norm_row(const scalar_t* x, const scalar_t* weight, int64_t n, double eps,
+                         scalar_t* out) {
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum_sq += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = static_cast<float>(static_cast<scalar_t>(static_cast<float>(x[i]) * inv));
+    out[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * normed);
+  }
+}
+
+template <typename scalar_t>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                   torch::Tensor& out) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    llmserve::FlushDenormals flush;
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, n, eps, op + r * n);
+  });
+}
+
+// residual += x; x = rms_norm(residual), row by row, in place.
+template <typename scalar_t>
+void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                       double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* rp = residual.data_ptr<scalar_t>();
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    llmserve::FlushDenormals flush;
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* xr = xp + r * n;
+      scalar_t* rr = rp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        rr[i] = static_cast<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+      rms_norm_row(rr, wp, n, eps, xr);
+    }
+  });
+}
+
+// Rotates each head's two halves by its token's angle: x1' = x1 cos - x2 sin,
+// x2' = x2 cos + x1 sin (the "rotate half" form transformers uses).
+template <typename scalar_t>
+inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    const float c = cos[i], s = sin[i];
+    // Two products then a sum, each rounded, as torch's x * cos + rotate_half(x) * sin.
+    const float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
+    x[i] = static_cast<scalar_t>(a - b);
+    x[i + half] = static_cast<scalar_t>(e + f);
+  }
+}
+
+template <typename scalar_t>
+void rotary_impl(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
+                 const torch::Tensor& cos_sin) {
+  const int64_t T = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2), half = D / 2;
+  const int64_t q_stride = q.stride(0), k_stride = k.stride(0);
+  scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* kp = k.data_ptr<scalar_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();  // [max_positions, 2, half]
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    llmserve::FlushDenormals flush;
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = table + pos[t] * 2 * half;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < H; ++h) rotate_head(qp + t * q_stride + h * D, cos, sin, half);
+      for (int64_t h = 0; h < KV; ++h) rotate_head(kp + t * k_stride + h * D, cos, sin, half);
+    }
+  });
+}
+
+template <typename scalar_t>
+void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = out.size(0), n = out.size(1);
+  const scalar_t* in = gate_up.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    llmserve::FlushDenormals flush;
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* gate = in + r * 2 * n;
+      const scalar_t* up = gate + n;
+      scalar_t* o = op + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        // Rounded to the model dtype before the product, as F.silu(gate) * up is.
+        const float silu =
+            static_cast<float>(static_cast<scalar_t>(g / (1.f + llmserve::fast_exp(-g))));
+        o[i] = static_cast<scalar_t>(silu * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
+                                  [&] { rms_norm_impl<scalar_t>(x, weight.contiguous(), eps, out); });
+  return out;
+}
+
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                  "fused_add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(x, residual, weight.contiguous(), eps);
+  });
+}
+
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
+                      torch::Tensor cos_sin) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "k: heads must be contiguous");
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous(),
+              "cos_sin: contiguous fp32 [max_positions, 2, head_dim / 2]");
+  positions = positions.to(torch::kInt64).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding",
+                                  [&] { rotary_impl<scalar_t>(q, k, positions, cos_sin); });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  gate_up = gate_up.contiguous();
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(),
+                                  "silu_and_mul", [&] { silu_and_mul_impl<scalar_t>(gate_up, out); });
+  return out;
+}

@@ -1,0 +1,40 @@
+// The CPU kernels as torch operators: torch.ops.llmserve.<name>. Registered
+// operators show up in the profiler and can be traced by torch.compile.
+#include <torch/library.h>
+#include <torch/extension.h>
+
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
+                    torch::Tensor value_cache, torch::Tensor slot_mapping);
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_table,
+                                     torch::Tensor seq_lens, double scale);
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps);
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
+                      torch::Tensor cos_sin);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
+
+TORCH_LIBRARY(llmserve, m) {
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
+  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
+}

@@ -1,0 +1,56 @@
+// Greedy sampling: the argmax of each row of fp32 logits, rows in parallel
+// (torch's argmax over the vocabulary runs on one thread).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vector_math.h"
+
+namespace {
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// One pass: each of 16 lanes keeps its running maximum and where it first saw
+// it (strict >); then the largest lane value, at the smallest index among the
+// lanes that hold it: the first maximal index, as torch.argmax returns.
+int64_t argmax_row(const float* row, int64_t vocab) {
+  using llmserve::vf16;
+  if (vocab < 16) return std::max_element(row, row + vocab) - row;
+  vf16 best = llmserve::load16(row);
+  vi16 best_at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, at = best_at;
+  int64_t i = 16;
+  for (; i + 16 <= vocab; i += 16) {
+    at += 16;
+    const vf16 v = llmserve::load16(row + i);
+    const auto greater = v > best;
+    best = greater ? v : best;
+    best_at = greater ? at : best_at;
+  }
+  float top = best[0];
+  int64_t top_at = best_at[0];
+  for (int lane = 1; lane < 16; ++lane)
+    if (best[lane] > top || (best[lane] == top && best_at[lane] < top_at))
+      top = best[lane], top_at = best_at[lane];
+  for (; i < vocab; ++i)
+    if (row[i] > top) top = row[i], top_at = i;
+  return top_at;
+}
+
+}  // namespace
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32,
+              "logits: [rows, vocab] fp32");
+  logits = logits.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    llmserve::FlushDenormals flush;
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * vocab, vocab);
+  });
+  return out;
+}

@@ -1,0 +1,78 @@
+"""The C++ element-wise layer kernels against their torch references (which are
+transformers' formulas), in fp32, bf16 and fp16."""
+import pytest
+import torch
+
+from kernels import cpu_layers as L
+
+# fp32: the kernels' sums and exp differ from torch's in the last bits only.
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+DTYPES = list(TOLERANCE)
+
+
+def close(got, want, dtype):
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[dtype],
+                               atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    weight = (1 + torch.randn(576, generator=gen) * 0.2).to(dtype)
+    close(L.rms_norm(x, weight, 1e-5), L.rms_norm_reference(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(19, 576, generator=gen).to(dtype)
+    residual = torch.randn(19, 576, generator=gen).to(dtype)
+    weight = (1 + torch.randn(576, generator=gen) * 0.2).to(dtype)
+    x2, residual2 = x.clone(), residual.clone()
+    L.fused_add_rms_norm(x, residual, weight, 1e-6)
+    L.fused_add_rms_norm_reference(x2, residual2, weight, 1e-6)
+    assert torch.equal(residual, residual2)  # the add is exact to the dtype
+    close(x, x2, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_on_views_of_a_packed_projection(dtype):
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, max_pos = 9, 3, 64, 300
+    qkv = torch.randn(23, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    angles = torch.arange(max_pos)[:, None] * torch.rand(d // 2, generator=gen)[None, :]
+    cos_sin = torch.stack((angles.cos(), angles.sin()), dim=1)  # [max_pos, 2, d / 2]
+    positions = torch.randint(0, max_pos, (23,), generator=gen)
+    expected = qkv.clone()
+
+    def views(t):
+        q, k, _ = t.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        return q.view(-1, heads, d), k.view(-1, kv_heads, d)
+
+    L.rotary_embedding(*views(qkv), positions, cos_sin)
+    L.rotary_embedding_reference(*views(expected), positions, cos_sin)
+    close(qkv, expected, dtype)
+    assert torch.equal(qkv[:, -kv_heads * d:], expected[:, -kv_heads * d:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(41, 2 * 1536, generator=gen) * 4).to(dtype)
+    close(L.silu_and_mul(gate_up), L.silu_and_mul_reference(gate_up), dtype)
+
+
+def test_argmax_rows_is_torch_argmax_ties_included():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(37, 49152, generator=gen)
+    logits[3, [10, 20000, 40000]] = 50.0  # a tie: the first index wins
+    logits[5, :] = 1.0
+    logits[6, [49151, 49150]] = 60.0  # in the tail past the last whole vector
+    logits[7, [17, 1]] = 70.0  # same lane order reversed
+    got = L.argmax_rows(logits)
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[3] == 10 and got[5] == 0 and got[6] == 49150 and got[7] == 1
+    odd = torch.randn(5, 49157, generator=gen)  # a tail of 5
+    odd[2, -1] = 99.0
+    assert torch.equal(L.argmax_rows(odd), odd.argmax(-1))
