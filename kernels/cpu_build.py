@@ -42,6 +42,7 @@ def cpu_ops_available() -> bool:
         return False
 
 
-def use_cpu_ops(*tensors: torch.Tensor) -> bool:
-    """Whether the C++ kernels serve these (CPU) tensors."""
-    return all(t.device.type == "cpu" for t in tensors) and cpu_ops_available()
+def use_cpu_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the C++ kernels serve these tensors: all on the CPU. (Runs for
+    every op of every layer: no generator, cached build check.)"""
+    return x.is_cpu and all(t.is_cpu for t in others) and cpu_ops_available()

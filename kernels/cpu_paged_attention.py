@@ -47,7 +47,8 @@ def logical_value_cache(value_cache: torch.Tensor) -> torch.Tensor:
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v [T, KV, D] go to slot slot_mapping[t] = block * block_size + offset."""
+    """k, v [T, KV, D] go to slot slot_mapping[t] = block * block_size + offset,
+    rounded to the cache's dtype when it is a 16-bit cache under an fp32 model."""
     if use_cpu_ops(k, key_cache):
         torch.ops.llmserve.write_kv_cache(k, v, key_cache, value_cache, slot_mapping)
     else:
@@ -57,15 +58,16 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
 def write_kv_cache_reference(k, v, key_cache, value_cache, slot_mapping) -> None:
     block_size = key_cache.shape[3]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    logical_key_cache(key_cache)[blocks, offsets] = k
-    logical_value_cache(value_cache)[blocks, offsets] = v
+    logical_key_cache(key_cache)[blocks, offsets] = k.to(key_cache.dtype)
+    logical_value_cache(value_cache)[blocks, offsets] = v.to(value_cache.dtype)
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """query [B, H, D]; block_table [B, max_blocks]; seq_lens [B] -> [B, H, D].
-    Each query attends to the first seq_lens keys of its sequence."""
+    Each query attends to the first seq_lens keys of its sequence. The cache may be
+    16-bit under an fp32 query; the output has the query's dtype."""
     if (query.shape[-1] in KERNEL_HEAD_DIMS and key_cache.shape[-1] in KERNEL_BLOCK_SIZES
             and use_cpu_ops(query, key_cache)):
         return torch.ops.llmserve.paged_decode_attention(query, key_cache, value_cache,
@@ -77,8 +79,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
 def paged_decode_attention_reference(query, key_cache, value_cache, block_table, seq_lens,
                                      scale: float) -> torch.Tensor:
     """The same in plain torch: gather each context, then masked SDPA."""
-    keys = gather_blocks(logical_key_cache(key_cache), block_table)
-    values = gather_blocks(logical_value_cache(value_cache), block_table)
+    keys = gather_blocks(logical_key_cache(key_cache), block_table).to(query.dtype)
+    values = gather_blocks(logical_value_cache(value_cache), block_table).to(query.dtype)
     mask = torch.arange(keys.shape[2]) < seq_lens[:, None]
     return F.scaled_dot_product_attention(query.unsqueeze(2), keys, values,
                                           attn_mask=mask[:, None, None, :], scale=scale,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.config import EngineConfig, engine_args_to_argv
+from services.worker.cpu_cores import format_cores, split_cores
 
 _PR_SET_PDEATHSIG = 1
 
@@ -78,12 +79,21 @@ class LocalStack:
         suffix = f"-{replica}" if self.engine_replicas > 1 else ""
         tp = self.config.parallel.tensor_parallel_size
         workers = [self._spawn(f"worker{suffix}" + (f"-rank{rank}" if tp > 1 else ""),
-                               ["services.worker", "--host", "127.0.0.1", "--rank", str(rank)], 0,
-                               deadline) for rank in range(tp)]
+                               ["services.worker", "--host", "127.0.0.1", "--rank", str(rank),
+                                *self._cores_flag(replica * tp + rank)], 0, deadline)
+                   for rank in range(tp)]
         return self._spawn(f"engine-core{suffix}", [
             "services.engine_core", "--host", "127.0.0.1",
             "--worker-addresses", ",".join(w.address for w in workers),
             *engine_args_to_argv(self.config)], 0, deadline)
+
+    def _cores_flag(self, worker_index: int) -> list[str]:
+        """Each worker on its own cores when there are several (replicas, TP ranks)."""
+        num_workers = self.engine_replicas * self.config.parallel.tensor_parallel_size
+        if num_workers == 1:
+            return []
+        groups = split_cores(sorted(os.sched_getaffinity(0)), num_workers)
+        return ["--cpu-cores", format_cores(groups[worker_index])]
 
     def __enter__(self) -> "LocalStack":
         return self

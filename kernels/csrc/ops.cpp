@@ -16,6 +16,7 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                       torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
+torch::Tensor gemv_16bit_weights(torch::Tensor x, torch::Tensor weight);
 
 TORCH_LIBRARY(llmserve, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, "
@@ -27,6 +28,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("gemv_16bit_weights(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
@@ -37,4 +39,5 @@ TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("gemv_16bit_weights", &gemv_16bit_weights);
 }

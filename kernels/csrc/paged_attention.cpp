@@ -112,10 +112,10 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
 
 // One (sequence, KV head) work item: its `group` query heads against the
 // sequence's blocks; out[h] = softmax(q_h K^T * scale) V.
-template <typename scalar_t, int BS, int D>
-void decode_item(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
+template <typename q_t, typename scalar_t, int BS, int D>
+void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
                  int64_t len, int64_t group, int64_t kv_heads, int64_t h, double scale,
-                 scalar_t* out, std::vector<float>& scores) {
+                 q_t* out, std::vector<float>& scores) {
   const int64_t num_blocks = (len + BS - 1) / BS, stride = num_blocks * BS;
   scores.resize(stride);
   alignas(64) float qf[D];
@@ -142,63 +142,56 @@ void decode_item(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
     }
     const float inv = 1.f / sum;
     for (int c = 0; c < D / 16; ++c)
-      for (int i = 0; i < 16; ++i) out[g * D + c * 16 + i] = static_cast<scalar_t>(acc[c][i] * inv);
+      for (int i = 0; i < 16; ++i) out[g * D + c * 16 + i] = static_cast<q_t>(acc[c][i] * inv);
   }
 }
 
-template <typename scalar_t, int BS, int D>
+template <typename q_t, typename scalar_t, int BS, int D>
 void decode_impl(const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
                  const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   const int64_t B = query.size(0), H = query.size(1);
   const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
-  const scalar_t* q = query.data_ptr<scalar_t>();
+  const q_t* q = query.data_ptr<q_t>();
   const scalar_t* kc = key_cache.data_ptr<scalar_t>();
   const scalar_t* vc = value_cache.data_ptr<scalar_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
+  q_t* o = out.data_ptr<q_t>();
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
     llmserve::FlushDenormals flush;
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KV, h = item % KV, first = (b * H + h * group) * D;
-      decode_item<scalar_t, BS, D>(q + first, kc, vc, table + b * max_blocks, lens[b], group, KV,
-                                   h, scale, o + first, scores);
+      decode_item<q_t, scalar_t, BS, D>(q + first, kc, vc, table + b * max_blocks, lens[b], group,
+                                        KV, h, scale, o + first, scores);
     }
   });
 }
 
 // The block sizes and head dims the kernel is specialized for (registers and
 // loop bounds fixed at compile time); kernels/cpu_paged_attention.py lists them.
-template <typename scalar_t, int BS>
-void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& key_cache,
-                       const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                       const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  switch (query.size(2)) {
-    case 32: return decode_impl<scalar_t, BS, 32>(query, key_cache, value_cache, block_table,
-                                                  seq_lens, scale, out);
-    case 64: return decode_impl<scalar_t, BS, 64>(query, key_cache, value_cache, block_table,
-                                                  seq_lens, scale, out);
-    case 96: return decode_impl<scalar_t, BS, 96>(query, key_cache, value_cache, block_table,
-                                                  seq_lens, scale, out);
-    case 128: return decode_impl<scalar_t, BS, 128>(query, key_cache, value_cache, block_table,
-                                                    seq_lens, scale, out);
+template <typename q_t, typename c_t, int BS>
+void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                       const torch::Tensor& table, const torch::Tensor& lens, double scale,
+                       torch::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: return decode_impl<q_t, c_t, BS, 32>(q, kc, vc, table, lens, scale, out);
+    case 64: return decode_impl<q_t, c_t, BS, 64>(q, kc, vc, table, lens, scale, out);
+    case 96: return decode_impl<q_t, c_t, BS, 96>(q, kc, vc, table, lens, scale, out);
+    case 128: return decode_impl<q_t, c_t, BS, 128>(q, kc, vc, table, lens, scale, out);
     default: TORCH_CHECK(false, "head_dim must be 32, 64, 96 or 128 for the CPU kernel");
   }
 }
 
-template <typename scalar_t>
-void decode_dispatch(const torch::Tensor& query, const torch::Tensor& key_cache,
-                     const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                     const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  switch (key_cache.size(3)) {
-    case 16: return dispatch_head_dim<scalar_t, 16>(query, key_cache, value_cache, block_table,
-                                                    seq_lens, scale, out);
-    case 32: return dispatch_head_dim<scalar_t, 32>(query, key_cache, value_cache, block_table,
-                                                    seq_lens, scale, out);
-    case 128: return dispatch_head_dim<scalar_t, 128>(query, key_cache, value_cache,
-                                                      block_table, seq_lens, scale, out);
+template <typename q_t, typename c_t>
+void decode_dispatch(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                     const torch::Tensor& table, const torch::Tensor& lens, double scale,
+                     torch::Tensor& out) {
+  switch (kc.size(3)) {
+    case 16: return dispatch_head_dim<q_t, c_t, 16>(q, kc, vc, table, lens, scale, out);
+    case 32: return dispatch_head_dim<q_t, c_t, 32>(q, kc, vc, table, lens, scale, out);
+    case 128: return dispatch_head_dim<q_t, c_t, 128>(q, kc, vc, table, lens, scale, out);
     default: TORCH_CHECK(false, "block_size must be 16, 32 or 128 for the CPU kernel");
   }
 }
@@ -208,9 +201,9 @@ void decode_dispatch(const torch::Tensor& query, const torch::Tensor& key_cache,
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
                     torch::Tensor value_cache, torch::Tensor slot_mapping) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
-  TORCH_CHECK(k.scalar_type() == key_cache.scalar_type(), "k and the cache differ in dtype");
-  k = k.contiguous();
-  v = v.contiguous();
+  // A 16-bit cache under an fp32 model takes rounded K/V.
+  k = k.to(key_cache.scalar_type()).contiguous();
+  v = v.to(value_cache.scalar_type()).contiguous();
   slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache",
                                   [&] {
@@ -228,9 +221,24 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   block_table = block_table.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(query);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
-                                  "paged_decode_attention", [&] {
-    decode_dispatch<scalar_t>(query, key_cache, value_cache, block_table, seq_lens, scale, out);
-  });
+  const auto cache_type = key_cache.scalar_type();
+  if (query.scalar_type() == cache_type) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "paged_decode_attention",
+                                    [&] {
+      decode_dispatch<scalar_t, scalar_t>(query, key_cache, value_cache, block_table, seq_lens,
+                                          scale, out);
+    });
+    return out;
+  }
+  // A 16-bit cache under an fp32 model: the query and the output stay fp32.
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 &&
+                  (cache_type == at::kBFloat16 || cache_type == at::kHalf),
+              "query and cache dtypes: equal, or an fp32 query with a bf16/fp16 cache");
+  if (cache_type == at::kBFloat16)
+    decode_dispatch<float, at::BFloat16>(query, key_cache, value_cache, block_table, seq_lens,
+                                         scale, out);
+  else
+    decode_dispatch<float, at::Half>(query, key_cache, value_cache, block_table, seq_lens, scale,
+                                     out);
   return out;
 }

@@ -19,6 +19,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     # CUDA: run every step eagerly instead of replaying CUDA graphs for decodes.
     enforce_eager: bool = False
+    # Opt-in, for fp32 models on CPUs without bf16 units: "bfloat16" or "float16"
+    # keeps the weights in 16 bits too, read so by steps of a few rows (fp32
+    # activations and sums). "": as dtype.
+    weight_dtype: str = ""
 
 
 @dataclass
@@ -30,14 +34,22 @@ class CacheConfig:
     # CUDA: the share of GPU memory for weights, activations and KV cache.
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Opt-in: "bfloat16" or "float16" stores K/V in 16 bits (half the memory and
+    # the bytes decode attention reads). "": as the model's dtype.
+    kv_cache_dtype: str = ""
 
 
 @dataclass
 class SchedulerConfig:
     """Limits of one scheduler step."""
 
-    max_num_seqs: int = 128
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # While any request is decoding, the prompt tokens a step computes are capped
+    # at this many, so a burst of arrivals delays each decode by a bounded prefill
+    # chunk instead of a whole token budget of prefill. 0: no cap (best throughput,
+    # the offline API's default). A step without decodes always uses the budget.
+    max_prefill_tokens_while_decoding: int = 256
     # "fcfs", or "priority": lowest priority value first, then earliest arrival.
     policy: str = "fcfs"
     # New requests beyond this many waiting are refused (RESOURCE_EXHAUSTED).
@@ -73,6 +85,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d_model.seed)
     parser.add_argument("--attention-backend", default=d_model.attention_backend,
                         choices=["auto", "torch_sdpa", "flash_attn"])
+    parser.add_argument("--weight-dtype", default=d_model.weight_dtype,
+                        choices=["", "bfloat16", "float16"],
+                        help="fp32 models: also keep 16-bit weights for decodes of few "
+                             "sequences (faster, slightly different outputs; opt-in)")
+    parser.add_argument("--kv-cache-dtype", default=d_cache.kv_cache_dtype,
+                        choices=["", "bfloat16", "float16"],
+                        help="store the KV cache in 16 bits (opt-in; default: the dtype)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: no CUDA graphs for decode steps")
     parser.add_argument("--gpu-memory-utilization", type=float,
@@ -87,6 +106,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=d_sched.max_num_batched_tokens)
+    parser.add_argument("--max-prefill-tokens-while-decoding", type=int,
+                        default=d_sched.max_prefill_tokens_while_decoding,
+                        help="cap on a step's prompt tokens while requests decode, which "
+                             "bounds inter-token latency under bursts (0: no cap)")
     parser.add_argument("--scheduling-policy", dest="policy", default=d_sched.policy,
                         choices=["fcfs", "priority"],
                         help="priority: lower priority values are served first")
@@ -99,13 +122,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=args.model, dtype=args.dtype,
                           max_model_len=args.max_model_len, seed=args.seed,
                           attention_backend=args.attention_backend,
-                          enforce_eager=args.enforce_eager),
+                          enforce_eager=args.enforce_eager, weight_dtype=args.weight_dtype),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_prefill_tokens_while_decoding=(
+                                      args.max_prefill_tokens_while_decoding),
                                   policy=args.policy,
                                   max_waiting_requests=args.max_waiting_requests),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
@@ -118,11 +144,13 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
     return ["--model", m.model, "--dtype", m.dtype, "--max-model-len", str(m.max_model_len),
             "--seed", str(m.seed), "--attention-backend", m.attention_backend,
             *(["--enforce-eager"] if m.enforce_eager else []),
+            "--weight-dtype", m.weight_dtype, "--kv-cache-dtype", c.kv_cache_dtype,
             "--gpu-memory-utilization", repr(c.gpu_memory_utilization),
             "--block-size", str(c.block_size),
             "--kv-cache-gib", repr(c.kv_cache_bytes / (1 << 30)),
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+            "--max-prefill-tokens-while-decoding", str(s.max_prefill_tokens_while_decoding),
             "--scheduling-policy", s.policy,
             "--max-waiting-requests", str(s.max_waiting_requests),
             "--tensor-parallel-size", str(p.tensor_parallel_size),

@@ -157,6 +157,7 @@ def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig,
         model_path=model.model, dtype=model.dtype, max_model_len=model.max_model_len,
         block_size=cache.block_size, kv_cache_bytes=cache.kv_cache_bytes, seed=model.seed,
         attention_backend=model.attention_backend, enforce_eager=model.enforce_eager,
+        weight_dtype=model.weight_dtype, kv_cache_dtype=cache.kv_cache_dtype,
         gpu_memory_utilization=cache.gpu_memory_utilization,
         tensor_parallel_size=parallel.tensor_parallel_size,
         distributed_init_method=parallel.distributed_init_method)
@@ -166,9 +167,10 @@ def load_model_request_from_proto(
         pb: worker_pb2.LoadModelRequest) -> tuple[ModelConfig, CacheConfig, ParallelConfig]:
     return (ModelConfig(model=pb.model_path, dtype=pb.dtype, max_model_len=pb.max_model_len,
                         seed=pb.seed, attention_backend=pb.attention_backend,
-                        enforce_eager=pb.enforce_eager),
+                        enforce_eager=pb.enforce_eager, weight_dtype=pb.weight_dtype),
             CacheConfig(block_size=pb.block_size, kv_cache_bytes=pb.kv_cache_bytes,
-                        gpu_memory_utilization=pb.gpu_memory_utilization),
+                        gpu_memory_utilization=pb.gpu_memory_utilization,
+                        kv_cache_dtype=pb.kv_cache_dtype),
             ParallelConfig(tensor_parallel_size=pb.tensor_parallel_size,
                            distributed_init_method=pb.distributed_init_method))
 

@@ -95,21 +95,33 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=sorted(self.finished_request_ids))
         self.finished_request_ids.clear()
-        budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(output, budget)
+        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
+        preempted = self._schedule_running(output, budget)
         if not preempted:  # no room to admit anyone when running requests lacked blocks
             self._schedule_waiting(output, budget)
         for request_id, num_new in output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_new
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
+    def _prefill_cap(self) -> int | None:
+        """How many prompt tokens this step may compute, if capped (see
+        SchedulerConfig.max_prefill_tokens_while_decoding)."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return cap if cap and decoding else None
+
+    def _schedule_running(self, output: SchedulerOutput, budget: "_Budget") -> bool:
+        """Schedules running requests; True when one had to be preempted."""
         scheduled: dict[str, CachedRequestData] = {}
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = budget.grant(request.request_id,
+                                   request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:  # a prompt chunk, and the prefill cap is spent
+                index += 1
+                continue
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._pick_victim()
@@ -120,26 +132,29 @@ class Scheduler:
                     break
                 if victim.request_id in scheduled:  # undo its place in this step
                     del scheduled[victim.request_id]
-                    budget += output.num_scheduled_tokens.pop(victim.request_id)
+                    output.num_scheduled_tokens.pop(victim.request_id)
+                    budget.refund(victim.request_id)
                     index -= 1
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
+                budget.refund(request.request_id)
                 continue  # `request` itself was preempted; running[index] is the next one
             scheduled[request.request_id] = CachedRequestData(
                 request.request_id, new_block_ids, request.num_computed_tokens)
             output.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
             index += 1
         output.cached_requests = list(scheduled.values())
-        return budget, preempted
+        return preempted
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: "_Budget") -> None:
         kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget.tokens > 0 and budget.prefill_left != 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             computed_blocks, num_cached = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = budget.grant(request.request_id, request.num_tokens - num_cached)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
+                budget.refund(request.request_id)
                 break
             self.waiting.pop()
             kv.record_prefix_cache_lookup(request.num_tokens, num_cached)
@@ -161,7 +176,6 @@ class Scheduler:
                 else sorted(request.eos_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens))
             output.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -232,3 +246,31 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_request_ids.add(request.request_id)
+
+
+class _Budget:
+    """One step's token budget, and the part of it prompt tokens may use."""
+
+    def __init__(self, tokens: int, prefill_cap: int | None):
+        self.tokens = tokens
+        self.prefill_left = prefill_cap  # None: uncapped
+        self._granted: dict[str, tuple[int, int]] = {}  # request -> (tokens, prefill part)
+
+    def grant(self, request_id: str, wanted: int) -> int:
+        """Tokens given to a request wanting `wanted` more (1: a decode, which the
+        prefill cap never limits)."""
+        granted = min(wanted, self.tokens)
+        prefill = 0
+        if wanted > 1 and self.prefill_left is not None:
+            granted = prefill = min(granted, self.prefill_left)
+            self.prefill_left -= prefill
+        self.tokens -= granted
+        self._granted[request_id] = (granted, prefill)
+        return granted
+
+    def refund(self, request_id: str) -> None:
+        """Gives back what a request was granted but could not use."""
+        tokens, prefill = self._granted.pop(request_id)
+        self.tokens += tokens
+        if self.prefill_left is not None:
+            self.prefill_left += prefill

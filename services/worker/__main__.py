@@ -10,6 +10,7 @@ import threading
 from services.common import tracing
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import ServiceServer, setup_logging
+from services.worker.cpu_cores import parse_cores, pin_to_cores
 from services.worker.main_thread import MainThreadRunner
 from services.worker.servicer import WorkerServicer
 from services.worker.worker import Worker
@@ -24,12 +25,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cpu-cores", type=parse_cores,
+                        help="run on these cores, e.g. 0-3 or 0,2 (default: all this process "
+                             "may use); workers sharing a machine should not share cores")
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace, runner: MainThreadRunner,
                 stopping: "asyncio.Future[asyncio.Event]") -> None:
-    servicer = WorkerServicer(Worker(rank=args.rank, device=args.device), run=runner.run)
+    worker = Worker(rank=args.rank, device=args.device, pinned=args.cpu_cores is not None)
+    servicer = WorkerServicer(worker, run=runner.run)
     server = ServiceServer(SERVICE_NAME,
                            lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     await server.start(args.host, args.port, args.port_file)
@@ -43,6 +48,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     setup_logging(f"worker{args.rank}")
     tracing.init_tracing("llmserve-worker")
+    if args.cpu_cores is not None:
+        pin_to_cores(args.cpu_cores)
     runner = MainThreadRunner()
     stopping: concurrent.futures.Future = concurrent.futures.Future()
 

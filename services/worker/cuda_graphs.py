@@ -84,6 +84,6 @@ class DecodeGraphs:
             seq_lens_tensor=self.seq_lens[:size], max_query_len=1,
             max_seq_len=self.max_model_len, block_table=self.block_table[:size],
             slot_mapping=self.slot_mapping[:size], block_size=self.block_size,
-            decode_request_indices=torch.arange(size, device=self.device),
             decode_token_indices=torch.arange(size, device=self.device),
-            decode_seq_lens=self.seq_lens[:size].long(), prefill_request_indices=[])
+            decode_seq_lens=self.seq_lens[:size].long(),
+            decode_block_table=self.block_table[:size], prefill_request_indices=[])

@@ -152,13 +152,19 @@ class InputBatch:
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
             block_table=to(self.block_table[rows, :max_blocks]),
             slot_mapping=to(slots), block_size=bs,
-            decode_request_indices=to(decode_idx),
             decode_token_indices=to(query_start_loc[decode_idx]),
             decode_seq_lens=to(seq_lens[decode_idx]),
+            decode_block_table=to(self.block_table[rows[decode_idx], :_blocks_for(
+                seq_lens[decode_idx], bs)]),
             prefill_request_indices=np.flatnonzero(num_new > 1).tolist())
         return StepInputs(input_ids=to(input_ids), positions=to(positions), attn_metadata=meta,
                           request_ids=request_ids, rows=rows, query_start_loc=query_start_loc,
                           starts=starts, sampling=seq_lens >= self.num_tokens[rows])
+
+
+def _blocks_for(seq_lens: np.ndarray, block_size: int) -> int:
+    """Blocks the longest of these sequences spans (0 for none)."""
+    return int(-(-seq_lens.max() // block_size)) if len(seq_lens) else 0
 
 
 def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,

@@ -11,10 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.cpu_linear import matmul
 from services.worker.parallel import SINGLE, TensorParallel
 
 
-class ColumnParallelLinear(nn.Linear):
+class _Linear(nn.Linear):
+    """nn.Linear whose product goes through cpu_linear.matmul (prepacked or
+    16-bit weights on the CPU, F.linear otherwise)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = matmul(self, x)
+        return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelLinear(_Linear):
     """y = x W^T + b with W's rows (output features) split across ranks; the output
     stays split."""
 
@@ -29,7 +39,7 @@ class ColumnParallelLinear(nn.Linear):
         param.data.copy_(self.tp.shard(loaded, 0))
 
 
-class PackedColumnParallelLinear(nn.Linear):
+class PackedColumnParallelLinear(_Linear):
     """Several column-parallel projections (q/k/v, gate/up) in one matmul. Each rank
     holds its slice of every projection, side by side; checkpoints hold them apart."""
 
@@ -54,7 +64,7 @@ class PackedColumnParallelLinear(nn.Linear):
         return list(x.split([size for _, size in self.shard_offsets.values()], dim=-1))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_Linear):
     """y = sum over ranks of x_r W_r^T, + b: takes a column-parallel layer's split
     output and returns the full result on every rank."""
 
@@ -70,7 +80,7 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(self.tp.shard(loaded, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(matmul(self, x))
         # The bias is added once, after the sum.
         return y if self.bias is None else y + self.bias
 
@@ -110,4 +120,4 @@ class ParallelLMHead(nn.Module):
         param.data.copy_(self.tp.shard(loaded, 0))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return self.tp.all_gather(matmul(self, hidden), dim=-1)

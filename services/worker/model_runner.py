@@ -17,11 +17,12 @@ _tracer = tracing.tracer(__name__)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, decode_graphs: DecodeGraphs | None = None):
+                 kv_cache_dtype: torch.dtype, max_model_len: int,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler()
         self.input_batch = InputBatch(max_model_len, block_size, device)
@@ -32,7 +33,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         layers = self.model.attention_layers
         per_layer = 2 * self.block_size * layers[0].num_kv_heads * layers[0].head_dim
-        return per_layer * len(layers) * torch.finfo(self.dtype).bits // 8
+        return per_layer * len(layers) * torch.finfo(self.kv_cache_dtype).bits // 8
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._allocate_kv_cache(num_blocks)
@@ -45,8 +46,8 @@ class ModelRunner:
             # Each backend lays its cache out as its kernels read it best.
             shape = layer.backend.kv_cache_shape(num_blocks, self.block_size,
                                                  layer.num_kv_heads, layer.head_dim)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.kv_cache = cache
+            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.kv_cache = layer.backend.bind_cache(cache, self.block_size)
             self.kv_caches.append(cache)
 
     def profile_peak_memory(self) -> int:

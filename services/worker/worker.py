@@ -11,7 +11,8 @@ from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.attention import make_attention_backend
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.model_loader import load_model, resolve_dtype
+from services.worker.cpu_linear import prepare_cpu_linears
+from services.worker.model_loader import load_model, resolve_dtype, resolve_storage_dtypes
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import init_distributed
 
@@ -34,9 +35,11 @@ def kv_blocks_for_memory(total_bytes: int, utilization: float, peak_bytes: int,
 
 
 class Worker:
-    def __init__(self, rank: int = 0, device: str = "cpu"):
+    def __init__(self, rank: int = 0, device: str = "cpu", pinned: bool = False):
         self.rank = rank
         self.device = torch.device(device)
+        # Pinned to its own cores (and thread count) by whoever started it.
+        self.pinned = pinned
         self.model_runner: ModelRunner | None = None
         self.cache_config: CacheConfig | None = None
 
@@ -46,11 +49,13 @@ class Worker:
         torch.manual_seed(model_config.seed)
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
                               parallel_config.distributed_init_method, self.device)
-        if tp.size > 1 and self.device.type == "cpu":
-            # Ranks on one machine share its cores: N spinning thread teams of all
-            # the cores each would slow every rank down.
+        if tp.size > 1 and self.device.type == "cpu" and not self.pinned:
+            # Ranks on one machine share its cores (see cpu_cores.py); the
+            # launcher pins each to its own, a rank started alone takes its share.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.size))
         dtype = resolve_dtype(model_config.dtype, self.device)
+        weight_dtype, kv_dtype = resolve_storage_dtypes(dtype, model_config.weight_dtype,
+                                                        cache_config.kv_cache_dtype)
         backend = make_attention_backend(model_config.attention_backend, self.device,
                                          cache_config.block_size)
         model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp,
@@ -60,10 +65,13 @@ class Worker:
                 and not model_config.enforce_eager:
             graphs = DecodeGraphs(model, MAX_GRAPH_BATCH, model_config.max_model_len,
                                   cache_config.block_size, self.device, capture=True)
-        self.model_runner = ModelRunner(model, cache_config.block_size, self.device, dtype,
+        linears = (prepare_cpu_linears(model, dtype, weight_dtype) if self.device.type == "cpu"
+                   else "F.linear")
+        self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,
                                         model_config.max_model_len, graphs)
         self.cache_config = cache_config
-        logger.info("worker %d: %s attention, %s, CUDA graphs %s", self.rank, backend.name, dtype,
+        logger.info("worker %d: %s, %s attention, linears: %s, KV cache %s, CUDA graphs %s",
+                    self.rank, dtype, backend.name, linears, kv_dtype,
                     "on" if graphs else "off")
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=str(dtype).removeprefix("torch."),
                            kv_block_bytes=self.model_runner.kv_block_bytes())

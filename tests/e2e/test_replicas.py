@@ -1,6 +1,7 @@
 """Two engine-core replicas behind one frontend: load is spread, and when one dies
 its requests end with UNAVAILABLE while new ones go to the other."""
 import concurrent.futures
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,11 @@ def test_requests_spread_and_survive_a_dead_replica(tmp_path, model_dir):
                           cache=CacheConfig(kv_cache_bytes=128 << 20))
     with LocalStack(config, port=0, log_dir=str(tmp_path), engine_replicas=2) as stack:
         stack.start(timeout_s=240)
+        # Each replica's worker runs on its own cores (no two thread teams on one).
+        workers = [s.process.pid for s in stack.services if s.name.startswith("worker")]
+        cores = [set(os.sched_getaffinity(pid)) for pid in workers]
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert len(cores) == 2 and not cores[0] & cores[1] and all(cores)
         with Client(address(stack, "frontend")) as client:
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 list(pool.map(lambda i: list(client.generate(f"Story {i}:", max_tokens=8)),

@@ -54,3 +54,28 @@ def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtyp
                                             block_table, seq_lens, 0.125)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_cache_under_an_fp32_query(cache_dtype):
+    """The opt-in 16-bit KV cache: the kernel reads the rounded values exactly as
+    the reference does, and keeps the query, sums and output in fp32."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, kv_heads, d = 32, 16, 3, 64
+    key_cache, value_cache = _caches(num_blocks, block_size, kv_heads, d, cache_dtype, gen)
+    k = torch.randn(20, kv_heads, d, generator=gen)
+    v = torch.randn(20, kv_heads, d, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:20]
+    write_kv_cache(k, v, key_cache, value_cache, slots)
+    expected = _caches(num_blocks, block_size, kv_heads, d, cache_dtype,
+                       torch.Generator().manual_seed(7))
+    write_kv_cache_reference(k, v, *expected, slots)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+    query = torch.randn(4, 9, d, generator=gen)
+    seq_lens = torch.tensor([70, 1, 33, 64])
+    block_table = torch.randperm(num_blocks, generator=gen)[:20].reshape(4, 5)
+    got = paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, 0.125)
+    want = paged_decode_attention_reference(query, key_cache, value_cache, block_table, seq_lens,
+                                            0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -122,8 +122,8 @@ def test_backend_matches_torch_sdpa(batch):
     for logical, content in zip(sdpa.logical_kv(sdpa_cache, BLOCK_SIZE), initial):
         logical.copy_(content)
 
-    expected = sdpa.forward(q, k, v, sdpa_cache, meta, scale)
-    actual = flash.forward(q, k, v, flash_cache, meta, scale)
+    expected = sdpa.forward(q, k, v, sdpa.bind_cache(sdpa_cache, BLOCK_SIZE), meta, scale)
+    actual = flash.forward(q, k, v, flash.bind_cache(flash_cache, BLOCK_SIZE), meta, scale)
 
     assert actual.shape == q.shape
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -195,10 +195,10 @@ def build_metadata(requests: list[tuple[int, int]], block_ids: list[list[int]],
         block_table=torch.from_numpy(block_table),
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
         block_size=block_size,
-        decode_request_indices=torch.from_numpy(decode_idx),
         decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_idx],
                                           dtype=torch.int64),
         decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64),
+        decode_block_table=torch.from_numpy(block_table[decode_idx]),
         prefill_request_indices=np.flatnonzero(query_lens > 1).tolist())
 
 

@@ -153,3 +153,40 @@ def test_priority_policy_serves_lower_values_first_and_preempts_the_highest():
     assert [r.request_id for r in s.waiting] == ["p2"]
     _, reasons = drain(s)
     assert reasons == {r: FinishReason.LENGTH for r in ("p0", "p1", "p2")}
+
+
+def test_prefill_is_capped_while_requests_decode():
+    def scheduler(cap):
+        return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                         max_prefill_tokens_while_decoding=cap),
+                         CacheConfig(block_size=4), 256, 128)
+
+    capped, uncapped = scheduler(10), scheduler(0)
+    for s in (capped, uncapped):
+        s.add_request(request("a", 30, first_token=100))
+    so, _ = run_step(capped)
+    assert so.num_scheduled_tokens == {"a": 30}  # nobody decodes yet: the whole budget
+    run_step(uncapped)
+    for s in (capped, uncapped):
+        s.add_request(request("b", 40, max_tokens=4, first_token=500))
+        s.add_request(request("c", 5, max_tokens=4, first_token=900))
+    outputs = {"capped": {}, "uncapped": {}}
+
+    def step(name, s):
+        so, step_outputs = run_step(s)
+        for o in step_outputs:
+            outputs[name].setdefault(o.request_id, []).extend(o.new_token_ids)
+        return so
+
+    assert step("capped", capped).num_scheduled_tokens == {"a": 1, "b": 10}  # 10 prompt tokens
+    assert step("uncapped", uncapped).num_scheduled_tokens == {"a": 1, "b": 40, "c": 5}
+    steps = 0
+    for name, s in (("capped", capped), ("uncapped", uncapped)):
+        while s.has_work():
+            so = step(name, s)
+            if name == "capped":
+                assert sum(n for n in so.num_scheduled_tokens.values() if n > 1) <= 10
+                steps += 1
+    # The same tokens come out, only later, and every block is free again.
+    assert outputs["capped"] == outputs["uncapped"] and len(outputs["capped"]) == 3
+    assert steps > 4 and capped.kv_cache_manager.num_free_blocks == 128

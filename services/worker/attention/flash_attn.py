@@ -51,6 +51,11 @@ class FlashAttentionBackend:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     @staticmethod
+    def bind_cache(kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+        """What forward() gets as kv_cache: the cache itself."""
+        return kv_cache
+
+    @staticmethod
     def logical_kv(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as [num_blocks, block_size, KV, D] (already so)."""
         return kv_cache[0], kv_cache[1]

@@ -26,9 +26,15 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
     block_size: int
-    # For the torch SDPA backend: requests with a single query token (decodes)
-    # are attended to in one batched call, the others one by one.
-    decode_request_indices: torch.Tensor  # [num_decodes] int64
+    # For the CPU backend: requests with a single query token (decodes) are
+    # attended to in one batched call, the others one by one. Built once per step,
+    # not once per layer.
     decode_token_indices: torch.Tensor  # [num_decodes] int64
     decode_seq_lens: torch.Tensor  # [num_decodes] int64
+    decode_block_table: torch.Tensor  # [num_decodes, the blocks the longest uses] int64
     prefill_request_indices: list[int]
+
+    @property
+    def decodes_only(self) -> bool:
+        """Every request has one query token (token i is request i's)."""
+        return not self.prefill_request_indices

@@ -30,29 +30,29 @@ class TorchSDPABackend:
         key_cache, value_cache = split_kv_cache(kv_cache, block_size)
         return logical_key_cache(key_cache), logical_value_cache(value_cache)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    @staticmethod
+    def bind_cache(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What forward() gets as kv_cache: the key and value views, made once."""
+        return split_kv_cache(kv_cache, block_size)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KV, D] for the new tokens; returns [T, H, D]."""
-        key_cache, value_cache = split_kv_cache(kv_cache, meta.block_size)
+        key_cache, value_cache = kv_cache
         write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        if not meta.prefill_request_indices:  # decodes only: token i is request i's query
-            return self._decode(q, key_cache, value_cache, meta, scale)
+        if meta.decodes_only:
+            return paged_decode_attention(q, key_cache, value_cache, meta.decode_block_table,
+                                          meta.decode_seq_lens, scale)
         out = torch.empty_like(q)
-        if meta.decode_request_indices.numel():
-            out[meta.decode_token_indices] = self._decode(q, key_cache, value_cache, meta, scale)
+        if meta.decode_seq_lens.numel():
+            out[meta.decode_token_indices] = paged_decode_attention(
+                q[meta.decode_token_indices], key_cache, value_cache, meta.decode_block_table,
+                meta.decode_seq_lens, scale)
         for i in meta.prefill_request_indices:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self._prefill(q, k, v, key_cache, value_cache, meta, i, scale)
         return out
-
-    @staticmethod
-    def _decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """All single-token queries at once, reading their contexts in place."""
-        seq_lens = meta.decode_seq_lens
-        num_blocks = -(-int(seq_lens.max()) // meta.block_size)
-        block_table = meta.block_table[meta.decode_request_indices, :num_blocks]
-        return paged_decode_attention(q[meta.decode_token_indices], key_cache, value_cache,
-                                      block_table, seq_lens, scale)
 
     @staticmethod
     def _prefill(q, k, v, key_cache, value_cache, meta: AttentionMetadata, i: int,
@@ -65,7 +65,7 @@ class TorchSDPABackend:
             return _sdpa(query, keys, values, scale, is_causal=True)
         num_blocks = -(-seq_len // meta.block_size)
         block_table = meta.block_table[i:i + 1, :num_blocks]
-        keys, values = (gather_blocks(cache, block_table)[0, :, :seq_len] for cache in
+        keys, values = (gather_blocks(cache, block_table)[0, :, :seq_len].to(q.dtype) for cache in
                         (logical_key_cache(key_cache), logical_value_cache(value_cache)))
         # Query t sits at position seq_len - query_len + t and sees keys up to it.
         query_pos = torch.arange(seq_len - query_len, seq_len)

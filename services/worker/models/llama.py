@@ -72,7 +72,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.backend = backend
-        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        # This layer's KV cache, as the backend's bind_cache presents it; set by
+        # the model runner.
+        self.kv_cache = None
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))

@@ -1,0 +1,90 @@
+// y = x W^T for a few rows of x (decode steps of one or a few sequences), with
+// 16-bit weights (bf16 or fp16) read once at memory speed and widened to fp32
+// in registers; x and the sums stay fp32. GEMM libraries are built for many
+// rows: at one row torch/oneDNN stream bf16 weights at about half the memory
+// bandwidth. Works with AVX2 as with AVX-512 (widening bf16 is a shift), so it
+// also serves 16-bit weights on CPUs without bf16 arithmetic.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "vector_math.h"
+
+namespace {
+
+using llmserve::load16;
+using llmserve::vf16;
+
+constexpr int kMaxRows = 8;
+
+// out[m][n] for every row m of x and one weight row n, walking the weight row
+// once, front to back (one sequential stream for the prefetchers), with four
+// independent sums along K so the multiply-adds pipeline.
+template <typename w_t, int M>
+inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N) {
+  vf16 acc[M][4] = {};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const vf16 w0 = load16(wrow + k), w1 = load16(wrow + k + 16);
+    const vf16 w2 = load16(wrow + k + 32), w3 = load16(wrow + k + 48);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + k;
+      acc[m][0] += load16(xm) * w0;
+      acc[m][1] += load16(xm + 16) * w1;
+      acc[m][2] += load16(xm + 32) * w2;
+      acc[m][3] += load16(xm + 48) * w3;
+    }
+  }
+  for (; k < K; k += 16) {
+    const vf16 w0 = load16(wrow + k);
+    for (int m = 0; m < M; ++m) acc[m][0] += load16(x + m * K + k) * w0;
+  }
+  for (int m = 0; m < M; ++m)
+    out[m * N] = llmserve::sum16((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));
+}
+
+template <typename w_t, int M>
+void gemv_impl(const float* x, const w_t* w, int64_t N, int64_t K, float* out) {
+  // Grains of 32 weight rows: long enough streams, enough of them to balance threads.
+  at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
+    llmserve::FlushDenormals flush;
+    for (int64_t n = begin; n < end; ++n) dot_row<w_t, M>(x, K, w + n * K, out + n, N);
+  });
+}
+
+template <typename w_t>
+void gemv_rows(const float* x, int64_t M, const w_t* w, int64_t N, int64_t K, float* out) {
+  switch (M) {
+    case 1: return gemv_impl<w_t, 1>(x, w, N, K, out);
+    case 2: return gemv_impl<w_t, 2>(x, w, N, K, out);
+    case 3: return gemv_impl<w_t, 3>(x, w, N, K, out);
+    case 4: return gemv_impl<w_t, 4>(x, w, N, K, out);
+    default:  // up to kMaxRows, four rows at a time
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        gemv_rows<w_t>(x + m * K, rows, w, N, K, out + m * N);
+      }
+  }
+}
+
+}  // namespace
+
+// x [M, K] (any float dtype), weight [N, K] bf16/fp16, K a multiple of 16,
+// M <= 8 -> [M, N] in x's dtype.
+torch::Tensor gemv_16bit_weights(torch::Tensor x, torch::Tensor weight) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M <= kMaxRows && K % 16 == 0 && weight.size(1) == K && weight.is_contiguous(),
+              "gemv_16bit_weights: x [M <= 8, K], weight [N, K] contiguous, K % 16 == 0");
+  const auto xf = x.scalar_type() == torch::kFloat32 ? x.contiguous()
+                                                     : x.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  if (weight.scalar_type() == at::kBFloat16) {
+    gemv_rows(xf.data_ptr<float>(), M, weight.data_ptr<at::BFloat16>(), N, K,
+              out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kHalf, "weight: bf16 or fp16");
+    gemv_rows(xf.data_ptr<float>(), M, weight.data_ptr<at::Half>(), N, K, out.data_ptr<float>());
+  }
+  return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
+}
