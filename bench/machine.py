@@ -19,6 +19,19 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def bf16_native() -> bool:
+    """Whether this CPU computes bf16 natively (what `--dtype auto` checks)."""
+    from services.worker.model_loader import cpu_has_bf16
+
+    return cpu_has_bf16()
+
+
+def default_dtypes() -> list[str]:
+    """float32, and bfloat16 too where the CPU computes it natively (elsewhere it is
+    emulated and slow, so no one would choose it)."""
+    return ["float32", "bfloat16"] if bf16_native() else ["float32"]
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 

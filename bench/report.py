@@ -28,8 +28,8 @@ def cell(row: dict | None, key: str, scale: float = 1.0, digits: int = 1) -> str
         return "-"
     text = fmt(row.get(key), scale, digits)
     ratios = [f"{r[key]:.2f}× {name}" for name, r in
-              (("hf", row.get("ratio", {})), ("vllm", row.get("ratio_vllm", {})))
-              if r.get(key) is not None]
+              (("hf", row.get("ratio", {})), ("vllm", row.get("ratio_vllm", {})),
+               ("fp32", row.get("ratio_fp32", {}))) if r.get(key) is not None]
     return text + (f" ({', '.join(ratios)})" if ratios else "") + floor_note(row, key)
 
 
@@ -43,12 +43,18 @@ def _header(results: dict) -> list[str]:
     return [
         "# llmserve benchmark", "",
         f"`{m['command']}`", "",
-        f"{m['started_at']} · model `{m['model_name']}` · {s['dtype']} · {m['cpu']}, "
+        f"{m['started_at']} · model `{m['model_name']}` · {_dtypes(s)} · {m['cpu']}, "
         f"{m['cores']} cores · torch {m['torch']} ({m['torch_threads']} threads) · "
         f"transformers {m['transformers']} · OMP_WAIT_POLICY {m['omp_wait_policy']} · "
         f"load average {m['load_before']:.2f} → {m['load_after']:.2f}", "",
         "Baselines run in the same run on the same prompts and dtype. " + _legend(results)
         + "Prompts are random ordinary token ids; decoding is greedy with ignore_eos.", ""]
+
+
+def _dtypes(s: dict) -> str:
+    """The run's dtype, and the extra ones that have their own section."""
+    extra = s.get("extra_dtypes") or []  # absent from results written before --dtypes
+    return s["dtype"] + (f" (also {', '.join(extra)}: see its section)" if extra else "")
 
 
 def _legend(results: dict) -> str:
@@ -67,8 +73,8 @@ def _legend(results: dict) -> str:
     return text
 
 
-def _columns(results: dict, hf: str | None, vllm_name: str,
-             floor_name: str) -> list[tuple[str, dict | None]]:
+def columns(results: dict, hf: str | None, vllm_name: str,
+            floor_name: str) -> list[tuple[str, dict | None]]:
     """(header, row) of each column after llmserve's: the baselines that ran, the floor."""
     cols: list[tuple[str, dict | None]] = []
     if hf and results.get("baseline"):
@@ -83,8 +89,8 @@ def _columns(results: dict, hf: str | None, vllm_name: str,
     return cols
 
 
-def _figure_rows(row: dict, cols: list[tuple[str, dict | None]],
-                 figures: list[tuple[str, str, float, int]]) -> list[list[str]]:
+def figure_rows(row: dict, cols: list[tuple[str, dict | None]],
+                figures: list[tuple[str, str, float, int]]) -> list[list[str]]:
     """One line per figure: llmserve's cell, then each column's value (and floor share)."""
     lines = []
     for label, key, scale, digits in figures:
@@ -103,11 +109,17 @@ OFFLINE_FIGURES = [("output tok/s", "output_tok_s", 1.0, 1), ("total tok/s", "to
 def _offline(results: dict, name: str, requests: int) -> list[str]:
     s, row = results["settings"], results[name]
     hf = "hf_batched" if name == "offline" else None
-    cols = _columns(results, hf, name, name)
+    cols = columns(results, hf, name, name)
     return [f"## Offline throughput: `LLM.generate`, {requests} requests × "
             f"{s['prompt_len']} prompt + {s['output_len']} output tokens", "",
             *table(["figure", "llmserve", *(c for c, _ in cols)],
-                   _figure_rows(row, cols, OFFLINE_FIGURES))]
+                   figure_rows(row, cols, OFFLINE_FIGURES))]
+
+
+def floor_itl(cols: list[tuple[str, dict | None]]) -> list[tuple[str, dict | None]]:
+    """The floor's per-token time put under the inter-token latency."""
+    return [(n, {**c, "itl_p50_s": c.get("itl_s")} if n == "floor" and c else c)
+            for n, c in cols]
 
 
 SINGLE_FIGURES = [("output tok/s (end to end)", "output_tok_s", 1.0, 1),
@@ -118,14 +130,11 @@ SINGLE_FIGURES = [("output tok/s (end to end)", "output_tok_s", 1.0, 1),
 
 def _single(results: dict) -> list[str]:
     s, row = results["settings"], results["single_stream"]
-    cols = _columns(results, "hf_single_stream", "single_stream", "single_stream")
-    # The floor's per-token time stands under the inter-token latency.
-    cols = [(n, {**c, "itl_p50_s": c.get("itl_s")} if n == "floor" and c else c)
-            for n, c in cols]
+    cols = floor_itl(columns(results, "hf_single_stream", "single_stream", "single_stream"))
     return [f"## Single-stream decode: 1 request, {s['prompt_len']} prompt + "
             f"{s['single_stream_len']} output tokens, in process", "",
             *table(["figure", "llmserve", *(c for c, _ in cols)],
-                   _figure_rows(row, cols, SINGLE_FIGURES))]
+                   figure_rows(row, cols, SINGLE_FIGURES))]
 
 
 def _phases(results: dict) -> list[str]:
@@ -135,6 +144,7 @@ def _phases(results: dict) -> list[str]:
 
 
 def to_markdown(results: dict) -> str:
+    from bench.report_modes import dtype_sections, modes_section
     from bench.report_sections import floor_section, serving_section, vllm_section
 
     lines = _header(results)
@@ -147,6 +157,7 @@ def to_markdown(results: dict) -> str:
     if results.get("serving"):
         lines += serving_section(results)
     lines += vllm_section(results) + floor_section(results)
+    lines += dtype_sections(results) + modes_section(results)
     return "\n".join(lines + _phases(results))
 
 

@@ -1,6 +1,7 @@
 """One benchmark run: the machine floor, the transformers and vLLM-CPU baselines,
-offline throughput, single-stream decode and serving, in that order, each a
-timed phase; returns the results as a dict."""
+offline throughput, single-stream decode and serving, in that order; then the
+floor, vLLM-CPU, offline and single stream again in each extra dtype, then the
+opt-in numeric modes; each a timed phase. Returns the results as a dict."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ import sys
 import time
 
 from bench import prompts as P
-from bench.machine import load_average, machine_info
+from bench.machine import bf16_native, load_average, machine_info
 from bench.progress import Phases
 from bench.ratios import add_ratios
 from bench.settings import Settings
@@ -74,7 +75,7 @@ def run_vllm(s: Settings, model_dir: str, phases: Phases, results: dict) -> None
               file=sys.stderr, flush=True)
         return
     for name, seconds in results["vllm"]["phases"].items():
-        phases.seconds[f"vllm runner: {name}"] = seconds  # its own timing of each part
+        phases.record(f"vllm runner: {name}", seconds)  # its own timing of each part
 
 
 def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
@@ -128,6 +129,20 @@ def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
                 phases.note = _tok_s(rows[-1])
 
 
+def run_extra_dtype(s: Settings, model_dir: str, phases: Phases, results: dict,
+                    dtype: str) -> None:
+    """The floor, vLLM-CPU, llmserve offline and single stream again, all in `dtype`,
+    into results["dtypes"][dtype] (no transformers run and no serving)."""
+    sub = results.setdefault("dtypes", {})[dtype] = {"dtype": dtype}
+    in_dtype = dataclasses.replace(s, dtype=dtype)
+    steps = [(s.skip_floor, run_floor), (s.skip_vllm, run_vllm), (s.skip_offline, run_offline)]
+    with phases.prefixed(f"{dtype}: "):
+        for skip, step in steps:
+            if not skip:
+                step(in_dtype, model_dir, phases, sub)
+                gc.collect()
+
+
 def run(s: Settings, command: str) -> dict:
     """Every phase the settings ask for, then the ratios to the baseline."""
     start = time.perf_counter()
@@ -137,6 +152,7 @@ def run(s: Settings, command: str) -> dict:
         "command": command, "model_name": os.path.basename(model_dir.rstrip("/")),
         "model_dir": model_dir, "load_before": load_average(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "bf16_native": bf16_native(),
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         **machine_info()}, "settings": dataclasses.asdict(s)}
     steps = [(s.skip_floor, run_floor), (s.skip_baseline, run_baseline),
@@ -146,6 +162,13 @@ def run(s: Settings, command: str) -> dict:
         if not skip:
             step(s, model_dir, phases, results)
             gc.collect()  # drop one phase's model before the next loads its own
+    for dtype in s.extra_dtypes:
+        run_extra_dtype(s, model_dir, phases, results, dtype)
+    if not s.skip_modes:
+        from bench.modes import run_modes
+
+        run_modes(s, model_dir, phases, results)
+        gc.collect()
     results["meta"]["load_after"] = load_average()
     results["meta"]["wall_s"] = time.perf_counter() - start
     results["phases"] = phases.seconds

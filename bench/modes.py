@@ -1,0 +1,103 @@
+"""The opt-in numeric modes, each measured for speed (offline throughput, single
+stream) next to its accuracy against float32 (bench/accuracy.py), on the
+benchmark's own prompts; into results["modes"]."""
+from __future__ import annotations
+
+import gc
+import sys
+
+from bench import offline
+from bench import prompts as P
+from bench.accuracy import LOGIT_PROMPTS, Probe, compare, probe
+from bench.machine import bf16_native
+from bench.progress import Phases
+from bench.settings import Settings
+from llmserve.llm import LLM
+from services.worker.cpu_linear import GEMV_MAX_ROWS
+
+REFERENCE = "float32"
+REFERENCE_ARGS = {"dtype": "float32"}
+
+
+def mode_list(native_bf16: bool) -> list[tuple[str, dict]]:
+    """(name, LLM keyword arguments) of every mode; bf16 compute only where native
+    (emulated it is many times slower, so no one would opt into it)."""
+    modes = [("weight_dtype=bfloat16", {"dtype": "float32", "weight_dtype": "bfloat16"}),
+             ("kv_cache_dtype=bfloat16", {"dtype": "float32", "kv_cache_dtype": "bfloat16"})]
+    if native_bf16:
+        modes.append(("dtype=bfloat16", {"dtype": "bfloat16"}))
+    return modes
+
+
+def speed_row(offline_row: dict, single: dict, source: str) -> dict:
+    """The figures the modes table shows, from an offline and a single-stream row."""
+    return {"output_tok_s": offline_row["output_tok_s"], "requests": offline_row["requests"],
+            "itl_p50_s": single["itl_p50_s"], "decode_tok_s": single["decode_tok_s"],
+            "from": source}
+
+
+def measured_speed(results: dict, args: dict) -> dict | None:
+    """The mode's speed if this run has measured it already: a plain dtype run."""
+    if set(args) != {"dtype"}:
+        return None
+    dtype = args["dtype"]
+    if results["settings"]["dtype"] == dtype and "offline" in results:
+        return speed_row(results["offline"], results["single_stream"], "main run")
+    sub = results.get("dtypes", {}).get(dtype, {})
+    if "offline" in sub:
+        return speed_row(sub["offline"], sub["single_stream"], f"dtypes.{dtype}")
+    return None
+
+
+def measure_speed(llm: LLM, s: Settings, vocab: int) -> dict:
+    """Offline throughput and single stream on the main run's prompts."""
+    offline.warm_up(llm, P.make_prompts(4, s.prompt_len, vocab, s.seed, P.WARMUP))
+    row = offline.run_offline(
+        llm, P.make_prompts(s.requests, s.prompt_len, vocab, s.seed, P.OFFLINE), s.output_len)
+    single = offline.run_single_stream(
+        llm, P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0],
+        s.single_stream_len)
+    return speed_row(row, single, "measured")
+
+
+def run_one(s: Settings, model_dir: str, phases: Phases, results: dict, name: str,
+            args: dict, reference: Probe | None) -> tuple[dict, Probe]:
+    """Loads the mode, probes its accuracy (unless it is the reference), and measures
+    its speed unless the run already has it."""
+    vocab = P.vocab_size(model_dir)
+    # The offline set drawn longer has the offline prompts as its first rows.
+    prompts = P.make_prompts(s.accuracy_prompts, s.prompt_len, vocab, s.seed, P.OFFLINE)
+    with phases(f"modes: {name}: load, greedy and logits probe"):
+        llm = LLM(model_dir, kv_cache_gib=s.kv_cache_gib, max_model_len=s.max_model_len, **args)
+        got = probe(llm, prompts, s.accuracy_len)
+        row: dict = {"args": args}
+        if reference is not None:
+            row["accuracy"] = compare(reference, got)
+            phases.note = (f"{row['accuracy']['agreement']['identical']:.0%} identical, max "
+                           f"|dlogit| {row['accuracy']['logits']['max_abs_diff']:.3g}")
+    row["speed"] = measured_speed(results, args)
+    if row["speed"] is None:
+        with phases(f"modes: {name}: offline {s.requests} requests, single stream"):
+            row["speed"] = measure_speed(llm, s, vocab)
+            phases.note = f"{row['speed']['output_tok_s']:.1f} output tok/s"
+    return row, got
+
+
+def run_modes(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
+    """The float32 reference, then every mode; a mode that fails is reported, not fatal."""
+    runs: dict[str, dict] = {}
+    results["modes"] = {"prompts": s.accuracy_prompts, "output_len": s.accuracy_len,
+                        "logit_prompts": min(LOGIT_PROMPTS, s.accuracy_prompts),
+                        "max_rows": GEMV_MAX_ROWS, "runs": runs}
+    reference = None
+    for name, args in [(REFERENCE, REFERENCE_ARGS), *mode_list(bf16_native())]:
+        try:
+            runs[name], got = run_one(s, model_dir, phases, results, name, args, reference)
+            if reference is None:
+                reference = got
+        except Exception as e:  # one broken mode must not cost the others or the run
+            runs[name] = {"args": args, "error": repr(e)}
+            print(f"[bench] mode {name} failed: {e!r}", file=sys.stderr, flush=True)
+            if reference is None:
+                return  # without the float32 reference no accuracy can be measured
+        gc.collect()  # drop one mode's model before the next loads
