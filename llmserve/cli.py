@@ -20,16 +20,20 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--engine-replicas", type=int, default=1,
                         help="engine cores (each with its own worker) behind the frontend")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     stack = LocalStack(engine_config_from_args(args), host=args.host, port=args.port,
-                       engine_replicas=args.engine_replicas)
+                       engine_replicas=args.engine_replicas, http_port=args.http_port or None)
     # Explicit handlers: a shell starts background jobs with SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_keyboard_interrupt)
     try:
         address = stack.start()
-        print(f"llmserve: serving {args.model} on {address} (Ctrl-C stops)", flush=True)
+        http = f", OpenAI HTTP API on http://{stack.http_address}" if stack.http_address else ""
+        print(f"llmserve: serving {args.model} on {address} (gRPC){http} (Ctrl-C stops)",
+              flush=True)
         while all(s.process.poll() is None for s in stack.services):
             time.sleep(0.5)
         dead = [s.name for s in stack.services if s.process.poll() is not None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,13 @@ from services.common.config import EngineConfig, engine_args_to_argv
 from services.worker.cpu_cores import format_cores, split_cores
 
 _PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the HTTP server binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -46,6 +54,9 @@ class LocalStack:
     env: dict[str, str] | None = None
     # Engine cores behind the frontend, each with its own worker.
     engine_replicas: int = 1
+    # The OpenAI-compatible HTTP API: None: off; 0: a free port; else that port.
+    http_port: int | None = None
+    http_address: str = ""
     services: list[ServiceProcess] = field(default_factory=list)
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -57,7 +68,7 @@ class LocalStack:
             frontend = self._spawn("frontend", [
                 "services.frontend", "--host", self.host,
                 "--engine-core-addresses", ",".join(e.address for e in engines),
-                "--model", self.config.model.model], self.port, deadline)
+                "--model", self.config.model.model, *self._http_flags()], self.port, deadline)
         except BaseException:
             self.stop()
             raise
@@ -86,6 +97,13 @@ class LocalStack:
             "services.engine_core", "--host", "127.0.0.1",
             "--worker-addresses", ",".join(w.address for w in workers),
             *engine_args_to_argv(self.config)], 0, deadline)
+
+    def _http_flags(self) -> list[str]:
+        if self.http_port is None:
+            return ["--http-port", "0"]
+        port = self.http_port or free_port(self.host)
+        self.http_address = f"{self.host}:{port}"
+        return ["--http-port", str(port)]
 
     def _cores_flag(self, worker_index: int) -> list[str]:
         """Each worker on its own cores when there are several (replicas, TP ranks)."""

@@ -23,6 +23,10 @@ class InvalidArgument(LLMServeError):
         self.field = field
 
 
+class NotFound(LLMServeError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class AlreadyExists(LLMServeError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
@@ -33,6 +37,12 @@ class FailedPrecondition(LLMServeError):
 
 class ResourceExhausted(LLMServeError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Cancelled(LLMServeError):
+    """The caller went away (its request was aborted)."""
+
+    code = grpc.StatusCode.CANCELLED
 
 
 class Unavailable(LLMServeError):

@@ -1,4 +1,5 @@
-"""python -m services.frontend: serve the public Inference API over gRPC."""
+"""python -m services.frontend: serve the public Inference API over gRPC and the
+OpenAI-compatible HTTP API, from one process and event loop."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,8 @@ from services.common.pb import inference_pb2, inference_pb2_grpc
 from services.common.server import ServiceServer, run_service
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import EngineClient
+from services.frontend.openai_api.app import build_app
+from services.frontend.openai_api.http_server import HttpServer
 from services.frontend.router import EngineRouter
 from services.frontend.processor import Processor
 from services.frontend.servicer import InferenceServicer
@@ -27,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated host:port of the engine-core replicas")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="model name or HF directory, for the tokenizer")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
+    parser.add_argument("--http-host", help="its host (default: --host)")
     return parser.parse_args(argv)
 
 
@@ -40,13 +46,20 @@ async def build_async_llm(engine: EngineClient, model: str) -> AsyncLLM:
 async def serve(args: argparse.Namespace) -> None:
     engine = EngineRouter(args.engine_core_addresses.split(","))
     await engine.start(timeout_s=120.0)
-    servicer = InferenceServicer(await build_async_llm(engine, args.model))
+    llm = await build_async_llm(engine, args.model)
+    servicer = InferenceServicer(llm)
     server = ServiceServer(SERVICE_NAME,
                            lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s))
-    await server.start(args.host, args.port, args.port_file)
+    http = (HttpServer(build_app(llm), args.http_host or args.host, args.http_port)
+            if args.http_port else None)
     try:
+        if http is not None:
+            await http.start()
+        await server.start(args.host, args.port, args.port_file)
         await server.serve_until_signal()
     finally:
+        if http is not None:
+            await http.stop()
         await engine.close()
 
 

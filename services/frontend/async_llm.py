@@ -18,8 +18,9 @@ from opentelemetry import trace
 
 from services.common import tracing
 from services.common.errors import AlreadyExists, LLMServeError
-from services.common.request_types import EngineCoreOutput, EngineCoreRequest
+from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
+from services.frontend.async_merge import merge
 from services.frontend.engine_client import EngineClient
 from services.frontend.output_processor import GenerationOutput, OutputProcessor, RequestState
 from services.frontend.processor import ChatMessage, Processor
@@ -36,10 +37,12 @@ class PromptInput:
     token_ids: list[int] | None = None
     chat: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # for a text prompt (e.g. BOS)
 
     def tokenize_kwargs(self) -> dict:
         return {"prompt": self.prompt, "token_ids": self.token_ids, "chat": self.chat,
-                "add_generation_prompt": self.add_generation_prompt}
+                "add_generation_prompt": self.add_generation_prompt,
+                "add_special_tokens": self.add_special_tokens}
 
 
 @dataclass
@@ -110,46 +113,14 @@ class AsyncLLM:
             await self.engine.abort(engine_ids)
 
     async def _outputs(self, requests: list[EngineCoreRequest]) -> AsyncIterator[GenerationOutput]:
-        async for engine_output in self._merged(requests):
+        """The choices' engine streams merged and run through the output processor.
+        One choice failing ends them all (the others would have nobody reading)."""
+        async for _, engine_output in merge([self.engine.generate(r) for r in requests]):
             processed = self.output_processor.process_outputs([engine_output])
             if processed.engine_ids_to_abort:
                 await self.engine.abort(processed.engine_ids_to_abort)
             for output in processed.outputs:
                 yield output
-
-    async def _merged(self, requests: list[EngineCoreRequest]) -> AsyncIterator[EngineCoreOutput]:
-        """The engine streams of all choices, interleaved as outputs arrive.
-        Leaving early cancels every stream, which aborts its engine request; so does
-        one choice's failure (the others would have nobody reading them)."""
-        if len(requests) == 1:
-            async for output in self.engine.generate(requests[0]):
-                yield output
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(request: EngineCoreRequest) -> None:
-            try:
-                async for output in self.engine.generate(request):
-                    queue.put_nowait(output)
-                queue.put_nowait(None)
-            except Exception as e:  # handed to the consumer
-                queue.put_nowait(e)
-
-        tasks = [asyncio.create_task(pump(r)) for r in requests]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _span_attributes(self, request_id: str, params: SamplingParams,
                          options: RequestOptions) -> dict:

@@ -23,7 +23,7 @@ class Processor:
 
     def tokenize(self, prompt: str | None = None, token_ids: list[int] | None = None,
                  chat: list[ChatMessage] | None = None,
-                 add_generation_prompt: bool = True) -> list[int]:
+                 add_generation_prompt: bool = True, add_special_tokens: bool = True) -> list[int]:
         """Token ids of exactly one kind of input."""
         given = [name for name, v in (("prompt", prompt), ("token_ids", token_ids), ("chat", chat))
                  if v is not None]
@@ -33,7 +33,7 @@ class Processor:
         if prompt is not None:
             if not prompt:
                 raise InvalidArgument("prompt", "is empty")
-            return self.tokenizer(prompt)["input_ids"]
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if token_ids is not None:
             self._check_token_ids(token_ids)
             return list(token_ids)

@@ -20,7 +20,7 @@ def stack(tmp_path_factory, model_dir):
                           cache=CacheConfig(kv_cache_bytes=160 << 20),
                           scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
                                                     max_waiting_requests=MAX_WAITING))
-    local = LocalStack(config, port=0, log_dir=str(log_dir),
+    local = LocalStack(config, port=0, log_dir=str(log_dir), http_port=0,
                        env={"OTEL_TRACES_EXPORTER": "console"})
     local.start(timeout_s=180)
     yield local

@@ -6,10 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 from llmserve.client import Client
+from llmserve.launcher import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -32,13 +34,13 @@ def _alive(pid: int) -> bool:
 def _start_serve(model_dir):
     process = subprocess.Popen(
         [sys.executable, "-m", "llmserve.cli", "serve", "--port", "0", "--model", model_dir,
-         "--dtype", "float32", "--kv-cache-gib", "0.1"],
+         "--dtype", "float32", "--kv-cache-gib", "0.1", "--http-port", str(free_port("127.0.0.1"))],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 180
     for line in process.stdout:
-        match = re.search(r"serving .* on (\S+)", line)
+        match = re.search(r"serving \S+ on (\S+) \(gRPC\), OpenAI HTTP API on (\S+) ", line)
         if match:
-            return process, match.group(1)
+            return process, match.group(1), match.group(2)
         assert time.monotonic() < deadline
     raise AssertionError(f"serve exited with {process.wait()} before serving")
 
@@ -52,12 +54,14 @@ def _wait_gone(pids, timeout_s=20.0):
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
 def test_serve_stops_every_service(model_dir, stop_signal):
-    process, address = _start_serve(model_dir)
+    process, address, http_url = _start_serve(model_dir)
     try:
         children = _children(process.pid)
         assert len(children) == 3
         with Client(address) as client:
             assert list(client.generate(prompt="Hi", max_tokens=4))[-1].usage.completion_tokens == 4
+        with urllib.request.urlopen(f"{http_url}/health", timeout=10) as response:
+            assert response.status == 200
         process.send_signal(stop_signal)
         process.wait(timeout=30)
         _wait_gone(children)

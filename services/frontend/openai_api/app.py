@@ -1,0 +1,113 @@
+"""The OpenAI-compatible HTTP API: routes that convert, call AsyncLLM, and
+convert back (FastAPI validates bodies and publishes /openapi.json)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from services.common import tracing
+from services.common.errors import LLMServeError, NotFound, Unavailable
+from services.frontend.async_llm import AsyncLLM, PromptInput, RequestOptions
+from services.frontend.openai_api import convert as C
+from services.frontend.openai_api import protocol as P
+from services.frontend.openai_api.chat import ChatCompletions
+from services.frontend.openai_api.completions import Completions
+from services.frontend.openai_api.errors import error_body, install_error_handlers
+
+# /health fails when no engine core answers within this long.
+HEALTH_TIMEOUT_S = 5.0
+_ERRORS = {400: {"model": P.ErrorResponse}, 404: {"model": P.ErrorResponse},
+           429: {"model": P.ErrorResponse}, 503: {"model": P.ErrorResponse}}
+
+
+def build_app(llm: AsyncLLM) -> FastAPI:
+    app = FastAPI(title="llmserve", summary="OpenAI-compatible API of an llmserve frontend",
+                  version="1")
+    install_error_handlers(app)
+    completions, chat = Completions(llm), ChatCompletions(llm)
+    created = int(time.time())
+
+    @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)
+    async def create_completion(body: P.CompletionRequest, request: Request):
+        _check_model(llm, body.model)
+        return await completions.create(body, request, _options(request, body.user))
+
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
+              responses=_ERRORS)
+    async def create_chat_completion(body: P.ChatCompletionRequest, request: Request):
+        _check_model(llm, body.model)
+        return await chat.create(body, request, _options(request, body.user))
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models() -> P.ModelList:
+        return P.ModelList(data=[P.ModelCard(
+            id=llm.model_name, created=created,
+            max_model_len=llm.processor.engine_info.max_model_len)])
+
+    @app.get("/health", responses={503: {"model": P.ErrorResponse}})
+    async def health():
+        """200 only when an engine core answers."""
+        try:
+            await asyncio.wait_for(llm.engine.get_stats(), HEALTH_TIMEOUT_S)
+        except (LLMServeError, asyncio.TimeoutError) as e:
+            error = e if isinstance(e, LLMServeError) else Unavailable("no engine core answered")
+            return JSONResponse(error_body(error).model_dump(), status_code=503)
+        return {}
+
+    _add_tokenizer_routes(app, llm)
+    _publish_served_model(app, llm.model_name)
+    return app
+
+
+def _publish_served_model(app: FastAPI, model_name: str) -> None:
+    """The OpenAPI document names the one model served here as `model`'s only
+    value, so clients (and fuzzers) see what the server accepts."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = build()
+            for schema in document.get("components", {}).get("schemas", {}).values():
+                model = schema.get("properties", {}).get("model")
+                if model is not None:
+                    model["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _add_tokenizer_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: P.TokenizeRequest) -> P.TokenizeResponse:
+        """A prompt, or chat messages rendered with the chat template."""
+        _check_model(llm, body.model)
+        prompt = (PromptInput(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
+                  if isinstance(body, P.TokenizeCompletionRequest) else
+                  PromptInput(chat=C.chat_messages(body.messages),
+                              add_generation_prompt=body.add_generation_prompt))
+        ids = await llm.tokenize(prompt)
+        return P.TokenizeResponse(count=len(ids), tokens=ids,
+                                  max_model_len=llm.processor.engine_info.max_model_len)
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        _check_model(llm, body.model)
+        return P.DetokenizeResponse(prompt=llm.processor.detokenize(body.tokens))
+
+
+def _check_model(llm: AsyncLLM, model: str | None) -> None:
+    if model is not None and model != llm.model_name:
+        raise NotFound(f"model {model!r} does not exist; this server serves "
+                       f"{llm.model_name!r} (GET /v1/models)")
+
+
+def _options(request: Request, user: str | None) -> RequestOptions:
+    """The caller's trace context (W3C headers) and who it is, for the span."""
+    return RequestOptions(
+        trace_context=tracing.context_from_headers(dict(request.headers)),
+        attributes={"llmserve.request.user": user} if user else {})

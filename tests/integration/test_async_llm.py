@@ -1,0 +1,89 @@
+"""AsyncLLM, the frontend core every server adapts, with a scripted engine client:
+tokenization off the event loop, n choices merged, a stop string aborting its
+engine request, and one failing choice failing (and closing) the request."""
+import asyncio
+import threading
+
+import pytest
+
+from services.common.errors import ResourceExhausted
+from services.common.request_types import EngineCoreOutput, EngineInfo, FinishReason
+from services.common.sampling_params import OutputKind, SamplingParams
+from services.frontend.async_llm import AsyncLLM, PromptInput
+from services.frontend.engine_client import EngineClient
+from services.frontend.processor import Processor
+from services.frontend.tokenizer import load_tokenizer
+
+
+class ScriptedEngine(EngineClient):
+    """Streams each request the tokens `script` gives for its choice index."""
+
+    def __init__(self, script):
+        self.script, self.aborted, self.closed = script, [], []
+
+    async def generate(self, request):
+        tokens, fail = self.script(request.request_id)
+        try:
+            for i, token in enumerate(tokens):
+                await asyncio.sleep(0)
+                if fail and i == 1:
+                    raise ResourceExhausted("queue full")
+                last = i == len(tokens) - 1
+                yield EngineCoreOutput(request.request_id, [token],
+                                       FinishReason.LENGTH if last else None)
+        finally:
+            self.closed.append(request.request_id)
+
+    async def abort(self, request_ids):
+        self.aborted += request_ids
+
+    async def get_stats(self):
+        raise NotImplementedError
+
+    async def get_info(self):
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    tokenizer, eos = load_tokenizer(model_dir)
+    return Processor(tokenizer, EngineInfo(model_dir, 2048, 16, 100, "float32", 49152), eos)
+
+
+def collect(llm, prompt, params, request_id="r"):
+    async def run():
+        return [o async for o in llm.generate(prompt, params, request_id)]
+    return asyncio.run(run())
+
+
+def test_tokenization_runs_off_the_event_loop(processor, monkeypatch):
+    threads = []
+    tokenize = processor.tokenize
+    monkeypatch.setattr(processor, "tokenize",
+                        lambda **kw: threads.append(threading.get_ident()) or tokenize(**kw))
+    llm = AsyncLLM(ScriptedEngine(lambda rid: ([7], False)), processor, "m")
+    collect(llm, PromptInput(prompt="Hello " * 500), SamplingParams(max_tokens=1))
+    assert threads and threads[0] != threading.get_ident()  # asyncio.run's loop is this thread
+
+
+def test_choices_merge_and_a_stop_string_aborts_its_engine_request(processor):
+    tok = processor.tokenizer
+    words = {0: tok.encode(" one two three", add_special_tokens=False),
+             1: tok.encode(" red green blue", add_special_tokens=False)}
+    engine = ScriptedEngine(lambda rid: (words[int(rid.rsplit("-", 1)[1])], False))
+    llm = AsyncLLM(engine, processor, "m")
+    outputs = collect(llm, PromptInput(prompt="x"), SamplingParams(
+        n=2, max_tokens=10, stop=[" green"], output_kind=OutputKind.FINAL_ONLY))
+    [final] = outputs
+    assert [c.text for c in final.outputs] == [" one two three", " red"]
+    assert final.outputs[1].stop_reason == " green" and final.finished
+    assert engine.aborted == ["r-1"]
+
+
+def test_a_failing_choice_fails_the_request_and_closes_the_others(processor):
+    engine = ScriptedEngine(lambda rid: ([5, 6, 7, 8], rid.endswith("-1")))
+    llm = AsyncLLM(engine, processor, "m")
+    with pytest.raises(ResourceExhausted):
+        collect(llm, PromptInput(prompt="x"), SamplingParams(n=3, max_tokens=4))
+    assert sorted(engine.closed) == ["r-0", "r-1", "r-2"]
+    assert not llm.output_processor.requests  # nothing left tracked
