@@ -12,7 +12,7 @@ PROTOS := $(wildcard protos/*.proto)
 HOST ?= 127.0.0.1
 PORT ?= 50051
 
-.PHONY: setup protos model run test bench clean
+.PHONY: setup protos model servers run test bench clean
 
 setup: $(INSTALLED) $(PB_STAMP) model
 
@@ -40,7 +40,18 @@ model: $(INSTALLED)
 run: setup
 	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT)
 
-test: setup
+# Servers the tests run for real: Prometheus (Debian's package) evaluates the
+# dashboards' queries. Installed with apt when missing (as root, or with sudo).
+servers:
+	@command -v prometheus >/dev/null || { \
+		echo "installing Prometheus (Debian package prometheus) for the dashboard tests"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+		|| { $$SUDO apt-get update -qq && \
+		     $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
+
+test: setup servers
 	$(PY) -m pytest -q
 
 # `make bench BENCH_ARGS=--quick` passes flags on (see `python -m bench --help`).

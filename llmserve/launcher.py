@@ -57,6 +57,10 @@ class LocalStack:
     # The OpenAI-compatible HTTP API: None: off; 0: a free port; else that port.
     http_port: int | None = None
     http_address: str = ""
+    # Prometheus metrics: None: off; 0: a free port per service; else the
+    # frontend's port, then engine core i on +1+i, then the workers.
+    metrics_port: int | None = None
+    metrics_addresses: dict[str, str] = field(default_factory=dict)  # service -> host:port
     services: list[ServiceProcess] = field(default_factory=list)
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -68,7 +72,8 @@ class LocalStack:
             frontend = self._spawn("frontend", [
                 "services.frontend", "--host", self.host,
                 "--engine-core-addresses", ",".join(e.address for e in engines),
-                "--model", self.config.model.model, *self._http_flags()], self.port, deadline)
+                "--model", self.config.model.model, *self._http_flags(),
+                *self._metrics_flags("frontend", 0, self.host)], self.port, deadline)
         except BaseException:
             self.stop()
             raise
@@ -89,14 +94,20 @@ class LocalStack:
     def _start_engine_core(self, replica: int, deadline: float) -> ServiceProcess:
         suffix = f"-{replica}" if self.engine_replicas > 1 else ""
         tp = self.config.parallel.tensor_parallel_size
-        workers = [self._spawn(f"worker{suffix}" + (f"-rank{rank}" if tp > 1 else ""),
-                               ["services.worker", "--host", "127.0.0.1", "--rank", str(rank),
-                                *self._cores_flag(replica * tp + rank)], 0, deadline)
-                   for rank in range(tp)]
-        return self._spawn(f"engine-core{suffix}", [
+        workers = []
+        for rank in range(tp):
+            name = f"worker{suffix}" + (f"-rank{rank}" if tp > 1 else "")
+            index = replica * tp + rank
+            workers.append(self._spawn(name, [
+                "services.worker", "--host", "127.0.0.1", "--rank", str(rank),
+                *self._cores_flag(index),
+                *self._metrics_flags(name, 1 + self.engine_replicas + index)], 0, deadline))
+        name = f"engine-core{suffix}"
+        return self._spawn(name, [
             "services.engine_core", "--host", "127.0.0.1",
             "--worker-addresses", ",".join(w.address for w in workers),
-            *engine_args_to_argv(self.config)], 0, deadline)
+            *self._metrics_flags(name, 1 + replica), *engine_args_to_argv(self.config)],
+            0, deadline)
 
     def _http_flags(self) -> list[str]:
         if self.http_port is None:
@@ -104,6 +115,14 @@ class LocalStack:
         port = self.http_port or free_port(self.host)
         self.http_address = f"{self.host}:{port}"
         return ["--http-port", str(port)]
+
+    def _metrics_flags(self, service: str, offset: int, host: str = "127.0.0.1") -> list[str]:
+        """--metrics-port for a service, the offset-th in the documented order."""
+        if self.metrics_port is None:
+            return []
+        port = self.metrics_port + offset if self.metrics_port else free_port(host)
+        self.metrics_addresses[service] = f"{host}:{port}"
+        return ["--metrics-port", str(port)]
 
     def _cores_flag(self, worker_index: int) -> list[str]:
         """Each worker on its own cores when there are several (replicas, TP ranks)."""

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig
 from services.common.pb import common_pb2, engine_core_pb2, inference_pb2, worker_pb2
+from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats, FinishReason, LoadedModel, Logprobs)
 from services.common.sampling_params import OutputKind, SamplingParams
@@ -119,7 +120,9 @@ def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCo
         request_id=o.request_id, new_token_ids=o.new_token_ids,
         num_cached_tokens=o.num_cached_tokens,
         new_logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs],
-        prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs])
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs],
+        events=[engine_core_pb2.RequestEvent(kind=int(e.kind), time_unix_nano=e.time_ns,
+                                             num_tokens=e.num_tokens) for e in o.events])
     if o.finish_reason is not None:
         pb.finish_reason = int(o.finish_reason)
     return pb
@@ -130,7 +133,9 @@ def engine_core_output_from_proto(pb: engine_core_pb2.EngineCoreOutput) -> Engin
     return EngineCoreOutput(request_id=pb.request_id, new_token_ids=list(pb.new_token_ids),
                             finish_reason=reason, num_cached_tokens=pb.num_cached_tokens,
                             new_logprobs=[logprobs_from_proto(p) for p in pb.new_logprobs],
-                            prompt_logprobs=[logprobs_from_proto(p) for p in pb.prompt_logprobs])
+                            prompt_logprobs=[logprobs_from_proto(p) for p in pb.prompt_logprobs],
+                            events=[RequestEvent(RequestEventKind(e.kind), e.time_unix_nano,
+                                                 e.num_tokens) for e in pb.events])
 
 
 def engine_stats_to_proto(s: EngineStats) -> engine_core_pb2.EngineStats:

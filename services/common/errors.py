@@ -57,7 +57,11 @@ def from_rpc_error(error: grpc.RpcError) -> LLMServeError:
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Aborts the RPC with the status of any LLMServeError its handler raises."""
+    """Aborts the RPC with the status of any LLMServeError its handler raises
+    (and tells on_error, which counts them)."""
+
+    def __init__(self, on_error: Callable[[grpc.StatusCode], None] | None = None):
+        self.on_error = on_error or (lambda code: None)
 
     async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -66,31 +70,33 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return None
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), handler.request_deserializer,
+                _wrap_unary(handler.unary_unary, self.on_error), handler.request_deserializer,
                 handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), handler.request_deserializer,
+                _wrap_stream(handler.unary_stream, self.on_error), handler.request_deserializer,
                 handler.response_serializer)
         return handler
 
 
-def _wrap_unary(behavior):
+def _wrap_unary(behavior, on_error: Callable[[grpc.StatusCode], None]):
     async def wrapper(request, context: grpc.aio.ServicerContext):
         try:
             return await behavior(request, context)
         except LLMServeError as e:
+            on_error(e.code)
             await context.abort(e.code, str(e))
 
     return wrapper
 
 
-def _wrap_stream(behavior):
+def _wrap_stream(behavior, on_error: Callable[[grpc.StatusCode], None]):
     async def wrapper(request, context: grpc.aio.ServicerContext):
         try:
             async for response in behavior(request, context):
                 yield response
         except LLMServeError as e:
+            on_error(e.code)
             await context.abort(e.code, str(e))
 
     return wrapper

@@ -44,6 +44,11 @@ def resolve_model(name_or_path: str) -> str:
                             f"name (known: {DEFAULT_MODEL})")
 
 
+def served_model_name(model_location: str) -> str:
+    """The name clients and metrics know a model by: its directory's (or file's) name."""
+    return os.path.basename(model_location.rstrip("/"))
+
+
 def find_gguf(model: str) -> str | None:
     """The GGUF file `model` names: a .gguf file, or the only .gguf in a directory
     without config.json. None for an HF directory."""

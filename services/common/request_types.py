@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.common.request_events import RequestEvent
 from services.common.sampling_params import SamplingParams
 
 
@@ -58,6 +59,8 @@ class EngineCoreOutput:
     # Prompt positions computed in this step, when it asked for prompt_logprobs
     # (the first prompt token has none and is skipped).
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    # The request's lifecycle in the engine core: on its last output only.
+    events: list[RequestEvent] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import tracing
+from services.common import metrics, tracing
 from services.common.errors import ErrorMappingInterceptor
 from services.common.grpc_options import SERVER_OPTIONS
 
@@ -25,10 +25,12 @@ class ServiceServer:
     NOT_SERVING before a graceful stop.
     """
 
-    def __init__(self, service_name: str, register: Callable[[grpc.aio.Server], None]):
+    def __init__(self, service_name: str, register: Callable[[grpc.aio.Server], None],
+                 on_error: Callable[[grpc.StatusCode], None] | None = None):
+        """on_error sees the status of every RPC that fails with an LLMServeError."""
         self.service_name = service_name
         self.server = grpc.aio.server(options=SERVER_OPTIONS,
-                                      interceptors=[ErrorMappingInterceptor()])
+                                      interceptors=[ErrorMappingInterceptor(on_error)])
         register(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -84,6 +86,7 @@ def run_service(log_name: str, default_otel_name: str,
         asyncio.run(serve())
     finally:
         tracing.shutdown_tracing()
+        metrics.shutdown_otlp_metrics()
 
 
 def setup_logging(service: str) -> None:

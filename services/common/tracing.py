@@ -24,10 +24,16 @@ def is_exporting() -> bool:
     return _exporting
 
 
+def service_resource(default_service_name: str) -> Resource:
+    """The service's OTel resource: OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
+    win over the default name."""
+    attributes = {} if "OTEL_SERVICE_NAME" in os.environ else {"service.name": default_service_name}
+    return Resource.create(attributes)
+
+
 def init_tracing(default_service_name: str) -> None:
     """Installs a TracerProvider whose exporter the OTEL_* environment chooses."""
-    attributes = {} if "OTEL_SERVICE_NAME" in os.environ else {"service.name": default_service_name}
-    provider = TracerProvider(resource=Resource.create(attributes))
+    provider = TracerProvider(resource=service_resource(default_service_name))
     exporter = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if not exporter and ("OTEL_EXPORTER_OTLP_ENDPOINT" in os.environ
                          or "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in os.environ):

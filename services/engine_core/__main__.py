@@ -8,12 +8,14 @@ import logging
 import socket
 
 from services.common.config import add_engine_args, engine_config_from_args
-from services.common.model_store import resolve_model
+from services.common.metrics import ServiceMetrics, add_metrics_port_arg
+from services.common.model_store import resolve_model, served_model_name
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.server import ServiceServer, run_service
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.engine_loop import EngineLoop
 from services.engine_core.executor import GrpcExecutor
+from services.engine_core.metrics import EngineCoreMetrics
 from services.engine_core.servicer import EngineCoreServicer
 
 SERVICE_NAME = engine_core_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
@@ -39,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--distributed-init-method", default="",
                         help="where the workers' torch.distributed group meets "
                              "(default: tcp://<rank 0 host>:<free port>)")
+    add_metrics_port_arg(parser)
     add_engine_args(parser)
     return parser.parse_args(argv)
 
@@ -52,7 +55,7 @@ async def serve(args: argparse.Namespace) -> None:
     executor = GrpcExecutor(worker_addresses)
     await asyncio.to_thread(executor.wait_ready, 120.0)
     core = await asyncio.to_thread(EngineCore, config, executor)
-    engine = EngineLoop(core)
+    engine = EngineLoop(core, _metrics(args, core))
     servicer = EngineCoreServicer(engine)
     server = ServiceServer(SERVICE_NAME,
                            lambda s: engine_core_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))
@@ -61,6 +64,17 @@ async def serve(args: argparse.Namespace) -> None:
         await server.serve_until_signal()
     finally:
         engine.shutdown()
+
+
+def _metrics(args: argparse.Namespace, core: EngineCore) -> EngineCoreMetrics | None:
+    """The engine core's metrics, served on --metrics-port; None when it is 0."""
+    if not args.metrics_port:
+        return None
+    service = ServiceMetrics("llmserve-engine-core")
+    metrics = EngineCoreMetrics(service, served_model_name(core.config.model.model), core.info,
+                                core.config.scheduler.max_num_batched_tokens, core.stats)
+    service.serve(args.host, args.metrics_port)
+    return metrics
 
 
 def main(argv=None) -> None:

@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -18,6 +19,7 @@ from services.common.errors import FailedPrecondition, LLMServeError, Unavailabl
 from services.common.futures import run_into_future
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
 from services.engine_core.engine_core import EngineCore
+from services.engine_core.metrics import EngineCoreMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +31,9 @@ class _OutputStream:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, metrics: EngineCoreMetrics | None = None):
         self.core = core
+        self.metrics = metrics
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _OutputStream] = {}  # touched by the loop thread only
         self._stopped = False
@@ -102,10 +105,18 @@ class EngineLoop:
             if self._stopped or not self.core.has_work():
                 continue
             try:
-                self._dispatch(self.core.step())
+                self._step()
             except Exception as e:  # a dead worker: fail every live request
                 logger.exception("engine step failed; failing all live requests")
                 self._fail_all(e)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        outputs = self.core.step()
+        if self.metrics is not None and self.core.num_scheduled_tokens_last_step:
+            self.metrics.observe_step(time.perf_counter() - start,
+                                      self.core.num_scheduled_tokens_last_step)
+        self._dispatch(outputs)
 
     def _fail_all(self, error: Exception) -> None:
         self.core.abort_requests(list(self._streams))

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 
 
@@ -38,6 +39,8 @@ class Request:
     num_prompt_logprobs_reported: int = 0
     # Prefix-cache hashes of the full blocks of all_token_ids computed so far.
     block_hashes: list[bytes] = field(default_factory=list)
+    # What happened to it and when (its phase spans and metrics).
+    events: list[RequestEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -65,6 +68,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def record(self, kind: RequestEventKind, num_tokens: int = 0) -> None:
+        self.events.append(RequestEvent(kind, time.time_ns(), num_tokens))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

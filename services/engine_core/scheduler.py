@@ -10,6 +10,7 @@ import logging
 
 from services.common.config import CacheConfig, SchedulerConfig
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from services.common.request_events import RequestEventKind as Event
 from services.common.request_types import EngineCoreOutput, FinishReason
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
@@ -60,6 +61,7 @@ class Scheduler:
                                     f"(--max-waiting-requests); retry later")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        request.record(Event.QUEUED)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Finishes the given live requests as aborted, in any state; unknown ids
@@ -76,7 +78,7 @@ class Scheduler:
                 self.num_preempted -= request.status is RequestStatus.PREEMPTED
             self._finish(request, FinishReason.ABORT)
             outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT,
-                                            request.num_cached_tokens))
+                                            request.num_cached_tokens, events=request.events))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -100,7 +102,10 @@ class Scheduler:
         if not preempted:  # no room to admit anyone when running requests lacked blocks
             self._schedule_waiting(output, budget)
         for request_id, num_new in output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_new
+            request = self.requests[request_id]
+            if num_new > 1 or request.num_computed_tokens != request.num_tokens - 1:
+                request.record(Event.PREFILL_CHUNK, num_new)  # not a decode
+            request.num_computed_tokens += num_new
         return output
 
     def _prefill_cap(self) -> int | None:
@@ -165,6 +170,7 @@ class Scheduler:
                 self.num_preempted -= 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
+            request.record(Event.SCHEDULED)
             output.new_requests.append(NewRequestData(
                 request_id=request.request_id,
                 token_ids=list(request.all_token_ids),
@@ -196,6 +202,8 @@ class Scheduler:
                                                     prompt_logprobs=prompt_logprobs))
                 continue
             request.append_output_token(token_id)
+            if request.num_output_tokens == 1:
+                request.record(Event.FIRST_TOKEN)
             reason = request.stop_reason_after_last_token(self.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
@@ -204,7 +212,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(request_id, [token_id], reason,
                                             request.num_cached_tokens,
                                             new_logprobs=[logprobs] if logprobs else [],
-                                            prompt_logprobs=prompt_logprobs))
+                                            prompt_logprobs=prompt_logprobs,
+                                            events=request.events if reason else []))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
@@ -234,6 +243,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         self.num_preempted += 1
+        request.record(Event.PREEMPTED, request.num_tokens)
         request.num_computed_tokens = 0
         self.waiting.prepend(request)
         self.num_preemptions += 1
@@ -243,6 +253,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.record(Event.FINISHED)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_request_ids.add(request.request_id)

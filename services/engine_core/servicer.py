@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from services.common import convert, tracing
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.common.request_types import EngineCoreOutput
 from services.engine_core.engine_loop import EngineLoop
+from services.engine_core.request_spans import record_phase_spans
 
 _tracer = tracing.tracer(__name__)
 
@@ -23,8 +25,10 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
             num_tokens = 0
             async for output in self.engine.generate(engine_request):
                 num_tokens += len(output.new_token_ids)
+                if output.finished:
+                    _end_request_span(span, output, len(engine_request.prompt_token_ids),
+                                      num_tokens)
                 yield convert.engine_core_output_to_proto(output)
-            span.set_attribute("gen_ai.usage.completion_tokens", num_tokens)
 
     async def Abort(self, request, context):
         await self.engine.abort(list(request.request_ids))
@@ -39,3 +43,14 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
 
     async def GetEngineInfo(self, request, context):
         return convert.engine_info_to_proto(self.engine.core.info)
+
+
+def _end_request_span(span, last: EngineCoreOutput, num_prompt_tokens: int,
+                      num_output_tokens: int) -> None:
+    """The request's usage and outcome, and its phases as child spans."""
+    if not tracing.is_exporting():
+        return
+    span.set_attributes({"gen_ai.usage.input_tokens": num_prompt_tokens,
+                         "gen_ai.usage.output_tokens": num_output_tokens,
+                         "gen_ai.response.finish_reasons": [str(last.finish_reason)]})
+    record_phase_spans(_tracer, last.events)

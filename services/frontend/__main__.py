@@ -3,14 +3,15 @@ OpenAI-compatible HTTP API, from one process and event loop."""
 from __future__ import annotations
 
 import argparse
-import os
 
 from services.common.config import DEFAULT_MODEL
-from services.common.model_store import resolve_model
+from services.common.metrics import ServiceMetrics, add_metrics_port_arg
+from services.common.model_store import resolve_model, served_model_name
 from services.common.pb import inference_pb2, inference_pb2_grpc
 from services.common.server import ServiceServer, run_service
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import EngineClient
+from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_api.app import build_app
 from services.frontend.openai_api.http_server import HttpServer
 from services.frontend.router import EngineRouter
@@ -33,26 +34,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
     parser.add_argument("--http-host", help="its host (default: --host)")
+    add_metrics_port_arg(parser)
     return parser.parse_args(argv)
 
 
-async def build_async_llm(engine: EngineClient, model: str) -> AsyncLLM:
+async def build_async_llm(engine: EngineClient, model: str,
+                          metrics: ServiceMetrics | None = None) -> AsyncLLM:
     model_dir = resolve_model(model)
     tokenizer, eos_token_ids = load_tokenizer(model_dir)
-    processor = Processor(tokenizer, await engine.get_info(), eos_token_ids)
-    return AsyncLLM(engine, processor, os.path.basename(model_dir.rstrip("/")))
+    info = await engine.get_info()
+    processor = Processor(tokenizer, info, eos_token_ids)
+    name = served_model_name(model_dir)
+    frontend_metrics = FrontendMetrics(metrics, name, info.max_model_len) if metrics else None
+    return AsyncLLM(engine, processor, name, frontend_metrics)
 
 
 async def serve(args: argparse.Namespace) -> None:
     engine = EngineRouter(args.engine_core_addresses.split(","))
     await engine.start(timeout_s=120.0)
-    llm = await build_async_llm(engine, args.model)
+    # Metrics are kept when something serves them: --metrics-port or the HTTP API.
+    metrics = ServiceMetrics("llmserve-frontend") if args.metrics_port or args.http_port else None
+    llm = await build_async_llm(engine, args.model, metrics)
     servicer = InferenceServicer(llm)
     server = ServiceServer(SERVICE_NAME,
-                           lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s))
+                           lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s),
+                           on_error=llm.metrics and (
+                               lambda code: llm.metrics.count_error("grpc", code.name)))
     http = (HttpServer(build_app(llm), args.http_host or args.host, args.http_port)
             if args.http_port else None)
     try:
+        if args.metrics_port:
+            metrics.serve(args.host, args.metrics_port)
         if http is not None:
             await http.start()
         await server.start(args.host, args.port, args.port_file)
@@ -60,6 +72,8 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         if http is not None:
             await http.stop()
+        if metrics is not None:
+            metrics.shutdown()
         await engine.close()
 
 

@@ -22,6 +22,7 @@ from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.frontend.async_merge import merge
 from services.frontend.engine_client import EngineClient
+from services.frontend.metrics import FrontendMetrics
 from services.frontend.output_processor import GenerationOutput, OutputProcessor, RequestState
 from services.frontend.processor import ChatMessage, Processor
 
@@ -56,11 +57,13 @@ class RequestOptions:
 
 
 class AsyncLLM:
-    def __init__(self, engine: EngineClient, processor: Processor, model_name: str):
+    def __init__(self, engine: EngineClient, processor: Processor, model_name: str,
+                 metrics: FrontendMetrics | None = None):
         self.engine = engine
         self.processor = processor
         self.model_name = model_name
-        self.output_processor = OutputProcessor(processor.tokenizer)
+        self.metrics = metrics
+        self.output_processor = OutputProcessor(processor.tokenizer, metrics)
         # Ids reserved from the moment a request arrives (before tokenization ends).
         self._live_request_ids: set[str] = set()
 

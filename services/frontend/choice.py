@@ -44,6 +44,7 @@ class ChoiceState:
     detokenizer: IncrementalDetokenizer
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -66,8 +67,10 @@ class ChoiceState:
         if self.finished:
             return None
         self.num_cached_tokens = output.num_cached_tokens
-        if output.new_token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        if output.new_token_ids:
+            self.last_token_time = time.monotonic()
+            if self.first_token_time is None:
+                self.first_token_time = self.last_token_time
         self.token_ids += output.new_token_ids
         if self.params.logprobs is not None:
             add_token_texts(self.detokenizer.tokenizer, output.new_logprobs)

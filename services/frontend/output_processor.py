@@ -15,6 +15,7 @@ from services.common.request_types import EngineCoreOutput, Logprobs
 from services.common.sampling_params import OutputKind, SamplingParams
 from services.frontend.choice import ChoiceOutput, ChoiceState
 from services.frontend.detokenizer import IncrementalDetokenizer, add_token_texts
+from services.frontend.metrics import FrontendMetrics
 
 
 @dataclass
@@ -82,8 +83,9 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, metrics: FrontendMetrics | None = None):
         self.tokenizer = tokenizer
+        self.metrics = metrics  # told of tokens, finished choices and engine events
         self.requests: dict[str, RequestState] = {}
         # Engine request id -> (its request, choice index).
         self._choice_of: dict[str, tuple[RequestState, int]] = {}
@@ -109,11 +111,13 @@ class OutputProcessor:
         reported: dict[str, dict[int, ChoiceOutput]] = {}
         to_abort = []
         for engine_output in engine_outputs:
+            if self.metrics is not None and engine_output.events:
+                self.metrics.on_engine_events(engine_output.events)
             state, index = self._choice_of.get(engine_output.request_id, (None, 0))
             if state is None:  # aborted, or its choice already ended by a stop string
                 continue
             changes = reported.setdefault(state.request_id, {})
-            choice_output = self._apply(state, index, engine_output)
+            choice_output = self._apply_and_measure(state, index, engine_output)
             if choice_output is not None:
                 changes[index] = choice_output
             if state.choices[index].stopped_by_string:
@@ -141,6 +145,19 @@ class OutputProcessor:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def _apply_and_measure(self, state: RequestState, index: int,
+                           engine_output: EngineCoreOutput) -> ChoiceOutput | None:
+        choice = state.choices[index]
+        if self.metrics is None or choice.finished:  # tokens after a stop string do not count
+            return self._apply(state, index, engine_output)
+        previous_token_time = choice.last_token_time
+        output = self._apply(state, index, engine_output)
+        if engine_output.new_token_ids:
+            self.metrics.on_tokens(choice, len(engine_output.new_token_ids), previous_token_time)
+        if choice.finished:
+            self.metrics.on_finished(choice, len(state.prompt_token_ids))
+        return output
 
     def _apply(self, state: RequestState, index: int,
                engine_output: EngineCoreOutput) -> ChoiceOutput | None:

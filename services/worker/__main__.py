@@ -7,11 +7,12 @@ import concurrent.futures
 import signal
 import threading
 
-from services.common import tracing
+from services.common import metrics, tracing
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import ServiceServer, setup_logging
 from services.worker.cpu_cores import parse_cores, pin_to_cores
 from services.worker.main_thread import MainThreadRunner
+from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import WorkerServicer
 from services.worker.worker import Worker
 
@@ -28,19 +29,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu-cores", type=parse_cores,
                         help="run on these cores, e.g. 0-3 or 0,2 (default: all this process "
                              "may use); workers sharing a machine should not share cores")
+    metrics.add_metrics_port_arg(parser)
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace, runner: MainThreadRunner,
                 stopping: "asyncio.Future[asyncio.Event]") -> None:
     worker = Worker(rank=args.rank, device=args.device, pinned=args.cpu_cores is not None)
-    servicer = WorkerServicer(worker, run=runner.run)
+    servicer = WorkerServicer(worker, run=runner.run, metrics=_metrics(args, worker))
     server = ServiceServer(SERVICE_NAME,
                            lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     await server.start(args.host, args.port, args.port_file)
     stop = asyncio.Event()
     stopping.set_result((asyncio.get_running_loop(), stop))
     await server.serve_until(stop)
+
+
+def _metrics(args: argparse.Namespace, worker: Worker) -> WorkerMetrics | None:
+    """The worker's metrics, served on --metrics-port; None when it is 0."""
+    if not args.metrics_port:
+        return None
+    service = metrics.ServiceMetrics("llmserve-worker")
+    worker_metrics = WorkerMetrics(service, worker)
+    service.serve(args.host, args.metrics_port)
+    return worker_metrics
 
 
 def main(argv=None) -> None:
@@ -73,6 +85,7 @@ def main(argv=None) -> None:
         runner.serve_forever()
     finally:
         tracing.shutdown_tracing()
+        metrics.shutdown_otlp_metrics()
 
 
 if __name__ == "__main__":

@@ -6,15 +6,18 @@ from typing import Awaitable, Callable
 
 from services.common import convert
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Worker
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker: Worker, run: Callable[..., Awaitable] = asyncio.to_thread):
+    def __init__(self, worker: Worker, run: Callable[..., Awaitable] = asyncio.to_thread,
+                 metrics: WorkerMetrics | None = None):
         self.worker = worker
         # How model work runs off the event loop (so health checks answer during a
         # step): a thread by default, the main thread in the worker process.
         self.run = run
+        self.execute_model = metrics.execute_model if metrics else worker.execute_model
 
     async def LoadModel(self, request, context):
         loaded = await self.run(self.worker.load_model,
@@ -31,6 +34,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitKvCacheResponse()
 
     async def ExecuteModel(self, request, context):
-        output = await self.run(self.worker.execute_model,
-                                convert.scheduler_output_from_proto(request))
+        output = await self.run(self.execute_model, convert.scheduler_output_from_proto(request))
         return convert.model_runner_output_to_proto(output)

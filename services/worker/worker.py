@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,21 @@ def kv_blocks_for_memory(total_bytes: int, utilization: float, peak_bytes: int,
     return budget // block_bytes
 
 
+@dataclass
+class WorkerDescription:
+    """What a worker runs, once its model is loaded (its info metric)."""
+
+    rank: int
+    world_size: int
+    device: str
+    dtype: str
+    weight_dtype: str
+    kv_cache_dtype: str
+    attention_backend: str
+    num_kv_blocks: int = 0
+    kv_cache_bytes: int = 0
+
+
 class Worker:
     def __init__(self, rank: int = 0, device: str = "cpu", pinned: bool = False):
         self.rank = rank
@@ -42,6 +58,7 @@ class Worker:
         self.pinned = pinned
         self.model_runner: ModelRunner | None = None
         self.cache_config: CacheConfig | None = None
+        self.description: WorkerDescription | None = None
 
     def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
                    parallel_config: ParallelConfig = ParallelConfig()) -> LoadedModel:
@@ -70,10 +87,13 @@ class Worker:
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,
                                         model_config.max_model_len, graphs)
         self.cache_config = cache_config
+        self.description = WorkerDescription(
+            self.rank, tp.size, str(self.device), _name(dtype), _name(weight_dtype or dtype),
+            _name(kv_dtype), backend.name)
         logger.info("worker %d: %s, %s attention, linears: %s, KV cache %s, CUDA graphs %s",
                     self.rank, dtype, backend.name, linears, kv_dtype,
                     "on" if graphs else "off")
-        return LoadedModel(vocab_size=model.config.vocab_size, dtype=str(dtype).removeprefix("torch."),
+        return LoadedModel(vocab_size=model.config.vocab_size, dtype=_name(dtype),
                            kv_block_bytes=self.model_runner.kv_block_bytes())
 
     def determine_num_kv_blocks(self) -> int:
@@ -89,7 +109,13 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)
+        self.description.num_kv_blocks = num_blocks
+        self.description.kv_cache_bytes = num_blocks * self.model_runner.kv_block_bytes()
         logger.info("worker %d: KV cache of %d blocks", self.rank, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -7,6 +7,7 @@ import pytest
 from llmserve.launcher import LocalStack
 from services.common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from tests.e2e.otlp_receiver import OtlpReceiver
 
 # Small limits so that tests can fill the batch and the waiting queue.
 MAX_NUM_SEQS = 8
@@ -14,14 +15,27 @@ MAX_WAITING = 8
 
 
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory, model_dir):
+def otlp():
+    """The OTLP/gRPC endpoint the stack's services export spans and metrics to."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory, model_dir, otlp):
     log_dir = tmp_path_factory.mktemp("logs")
     config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
                           cache=CacheConfig(kv_cache_bytes=160 << 20),
                           scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
                                                     max_waiting_requests=MAX_WAITING))
-    local = LocalStack(config, port=0, log_dir=str(log_dir), http_port=0,
-                       env={"OTEL_TRACES_EXPORTER": "console"})
+    local = LocalStack(config, port=0, log_dir=str(log_dir), http_port=0, metrics_port=0,
+                       env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+                            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+                            "OTEL_METRICS_EXPORTER": "otlp",
+                            # Export often: the tests wait for what was sent.
+                            "OTEL_BSP_SCHEDULE_DELAY": "100",
+                            "OTEL_METRIC_EXPORT_INTERVAL": "500"})
     local.start(timeout_s=180)
     yield local
     local.stop()

@@ -38,7 +38,7 @@ def test_generated_bodies_never_get_a_server_error(fuzz_stack, tmp_path):
         [str(cli), "run", url, "--checks", "not_a_server_error", "--max-examples", "20",
          "--seed", "1", "--request-timeout", "120", "--report", "ndjson",
          "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=1200)
+        capture_output=True, text=True, timeout=1200, cwd=tmp_path)  # its cache goes there
     assert result.returncode == 0, result.stdout[-4000:]
     summary = result.stdout[result.stdout.rindex("SUMMARY"):]
     assert "Tested: 6" in summary and " passed" in summary, summary

@@ -7,10 +7,13 @@ import threading
 import pytest
 
 from services.common.errors import ResourceExhausted
+from services.common.metrics import ServiceMetrics
+from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import EngineCoreOutput, EngineInfo, FinishReason
 from services.common.sampling_params import OutputKind, SamplingParams
 from services.frontend.async_llm import AsyncLLM, PromptInput
 from services.frontend.engine_client import EngineClient
+from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor import Processor
 from services.frontend.tokenizer import load_tokenizer
 
@@ -87,3 +90,37 @@ def test_a_failing_choice_fails_the_request_and_closes_the_others(processor):
         collect(llm, PromptInput(prompt="x"), SamplingParams(n=3, max_tokens=4))
     assert sorted(engine.closed) == ["r-0", "r-1", "r-2"]
     assert not llm.output_processor.requests  # nothing left tracked
+
+
+def test_metrics_count_tokens_latencies_and_outcomes(processor):
+    """With n=2 and a stop string: each choice is a request; tokens that arrive after
+    a stop string ended its choice are not counted; engine events give phases."""
+    tok = processor.tokenizer
+    words = {0: tok.encode(" one two three", add_special_tokens=False),
+             1: tok.encode(" red green blue", add_special_tokens=False)}
+    engine = ScriptedEngine(lambda rid: (words[int(rid.rsplit("-", 1)[1])], False))
+    metrics = FrontendMetrics(ServiceMetrics("test"), "m", 2048)
+    llm = AsyncLLM(engine, processor, "m", metrics)
+    prompt_ids = processor.tokenize(prompt="x")
+    collect(llm, PromptInput(prompt="x"), SamplingParams(n=2, max_tokens=10, stop=[" green"]))
+    registry = metrics.registry
+
+    def sample(name, **labels):
+        return registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    delivered = len(words[0]) + words[1].index(tok.encode(" green", add_special_tokens=False)[0]) + 1
+    assert sample("llmserve:generation_tokens_total") == delivered
+    assert sample("llmserve:time_to_first_token_seconds_count") == 2
+    assert sample("llmserve:inter_token_latency_seconds_count") == delivered - 2
+    assert sample("llmserve:request_success_total", finished_reason="length") == 1
+    assert sample("llmserve:request_success_total", finished_reason="stop") == 1
+    assert sample("llmserve:prompt_tokens_total") == 2 * len(prompt_ids)
+    assert sample("llmserve:e2e_request_latency_seconds_count") == 2
+    assert sample("llmserve:request_queue_time_seconds_count") == 0  # the script sends no events
+    metrics.on_engine_events([RequestEvent(RequestEventKind.QUEUED, 0),
+                              RequestEvent(RequestEventKind.SCHEDULED, 2_000_000),
+                              RequestEvent(RequestEventKind.FIRST_TOKEN, 5_000_000),
+                              RequestEvent(RequestEventKind.FINISHED, 9_000_000)])
+    assert sample("llmserve:request_queue_time_seconds_sum") == pytest.approx(0.002)
+    assert sample("llmserve:request_prefill_time_seconds_sum") == pytest.approx(0.003)
+    assert sample("llmserve:request_decode_time_seconds_sum") == pytest.approx(0.004)

@@ -51,6 +51,9 @@ def test_every_section_has_positive_figures(bench_run):
     for row in results["serving"]:
         assert row["requests"] == 2 and row["output_tokens"] == 2 * 4
         assert all(positive(row[k]) for k in SERVING_KEYS), row
+    cost = results["observability"]
+    assert positive(cost["off_output_tok_s"]) and positive(cost["on_output_tok_s"])
+    assert cost["spans_received"] > 0  # "on" really exported its spans
 
 
 def test_the_extra_dtype_has_its_own_figures_and_floor(bench_run):
@@ -82,6 +85,7 @@ def test_markdown_is_printed_and_written(bench_run):
     markdown = (out_dir / "latest.md").read_text()
     assert markdown in stdout
     for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
+                    "## Cost of tracing and metrics",
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
         assert heading in markdown

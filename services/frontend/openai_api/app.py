@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 
 from services.common import tracing
@@ -27,7 +28,8 @@ _ERRORS = {400: {"model": P.ErrorResponse}, 404: {"model": P.ErrorResponse},
 def build_app(llm: AsyncLLM) -> FastAPI:
     app = FastAPI(title="llmserve", summary="OpenAI-compatible API of an llmserve frontend",
                   version="1")
-    install_error_handlers(app)
+    metrics = llm.metrics
+    install_error_handlers(app, metrics and (lambda status: metrics.count_error("http", str(status))))
     completions, chat = Completions(llm), ChatCompletions(llm)
     created = int(time.time())
 
@@ -57,6 +59,12 @@ def build_app(llm: AsyncLLM) -> FastAPI:
             error = e if isinstance(e, LLMServeError) else Unavailable("no engine core answered")
             return JSONResponse(error_body(error).model_dump(), status_code=503)
         return {}
+
+    if metrics is not None:
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics() -> Response:
+            """The frontend's Prometheus metrics (as on its --metrics-port)."""
+            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     _add_tokenizer_routes(app, llm)
     _publish_served_model(app, llm.model_name)

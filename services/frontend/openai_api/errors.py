@@ -4,6 +4,7 @@ not validate are 400s naming the field."""
 from __future__ import annotations
 
 import logging
+from typing import Awaitable, Callable
 
 import grpc
 from fastapi import FastAPI
@@ -88,8 +89,17 @@ async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         message="internal error; the server log has the details", type="internal_error")))
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(LLMServeError, _domain_error)
-    app.add_exception_handler(RequestValidationError, _invalid_body)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
+    """on_error sees the HTTP status of every error response (to count them)."""
+    def counted(handler: Callable[[Request, Exception], Awaitable[JSONResponse]]):
+        async def respond(request: Request, error: Exception) -> JSONResponse:
+            response = await handler(request, error)
+            if on_error is not None:
+                on_error(response.status_code)
+            return response
+        return respond
+
+    app.add_exception_handler(LLMServeError, counted(_domain_error))
+    app.add_exception_handler(RequestValidationError, counted(_invalid_body))
+    app.add_exception_handler(HTTPException, counted(_http_error))
+    app.add_exception_handler(Exception, counted(_unexpected))

@@ -1,0 +1,131 @@
+"""Traces and metrics of the three real processes: one trace across them with the
+request's phases, received by a real OTLP endpoint; Prometheus metrics on every
+--metrics-port that count what was sent; and every dashboard query evaluated by
+Prometheus itself."""
+import random
+import time
+import urllib.request
+
+import grpc
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.client import Client
+from tests.e2e.conftest import address, wait_all_blocks_free
+
+pytestmark = pytest.mark.e2e
+
+SERVICES = {"frontend": "llmserve-frontend", "engine-core": "llmserve-engine-core",
+            "worker": "llmserve-worker"}
+
+
+def scrape(address: str) -> dict[tuple, float]:
+    """(name, sorted labels) -> value, from one /metrics."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """The sum over the series of `name` whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all((k, str(x)) in ls for k, x in labels.items()))
+
+
+def wait_for(condition, timeout_s: float = 15.0, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return result
+
+
+def test_one_trace_across_three_services_with_the_request_phases(stack, otlp):
+    with Client(address(stack, "frontend")) as client:
+        list(client.generate(prompt="Trace me " * 20, max_tokens=4, ignore_eos=True,
+                             request_id="traced-request"))
+    frontend = wait_for(lambda: otlp.find_spans("frontend.request",
+                                                **{"gen_ai.request.id": "traced-request"}),
+                        what="the frontend's span")[0]
+    trace_id = frontend.trace_id
+    wait_for(lambda: {s.name for s in otlp.spans_of_trace(trace_id)} >= {
+        "engine_core.request", "worker.request", "queued", "prefill", "decode"},
+             what="every span of the trace")
+    spans = otlp.spans_of_trace(trace_id)
+    assert {s.service_name for s in spans} == set(SERVICES.values())
+    engine = next(s for s in spans if s.name == "engine_core.request")
+    children = {s.name: s for s in spans if s.parent_span_id == engine.span_id}
+    assert set(children) == {"queued", "prefill", "decode", "worker.request"}
+    phases = {n: children[n] for n in ("queued", "prefill", "decode")}
+    assert all(p.service_name == "llmserve-engine-core" for p in phases.values())
+    assert phases["queued"].end_ns <= phases["prefill"].start_ns
+    assert phases["prefill"].end_ns == phases["decode"].start_ns
+    assert "prefill_chunk" in phases["prefill"].event_names
+    for span in (frontend, engine):
+        assert span.attributes["gen_ai.usage.output_tokens"] == 4
+        assert span.attributes["gen_ai.usage.input_tokens"] > 20
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["length"]
+        assert not any(k.endswith(("prompt_tokens", "completion_tokens")) for k in span.attributes)
+    steps = wait_for(lambda: [s for s in otlp.find_spans("engine_core.step")
+                              if trace_id in s.linked_trace_ids], what="linked step spans")
+    assert all(s.trace_id != trace_id for s in steps)  # their own traces, linked
+
+
+def test_metrics_count_what_was_sent_and_gauges_return_to_zero(stack, otlp):
+    ports = stack.metrics_addresses
+    frontend_http = stack.http_address
+    before = {name: scrape(addr) for name, addr in ports.items()}
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(length)] for length in (5, 17, 40)]
+    max_tokens = [3, 6, 9]
+    with Client(address(stack, "frontend")) as client:
+        for ids, n in zip(prompts, max_tokens):
+            list(client.generate(token_ids=ids, max_tokens=n, ignore_eos=True, temperature=0))
+        with pytest.raises(grpc.RpcError):
+            list(client.generate(prompt="x", max_tokens=4, top_p=7.0))
+    assert requests.post(f"http://{frontend_http}/v1/completions",
+                         json={"prompt": "x", "max_tokens": -1}, timeout=10).status_code == 400
+    wait_all_blocks_free(stack)
+    after = {name: scrape(addr) for name, addr in ports.items()}
+
+    def delta(service, name, **labels):
+        return value(after[service], name, **labels) - value(before[service], name, **labels)
+
+    sent_prompt, sent_generated = sum(map(len, prompts)), sum(max_tokens)
+    assert delta("frontend", "llmserve:prompt_tokens_total") == sent_prompt
+    assert delta("frontend", "llmserve:generation_tokens_total") == sent_generated
+    assert delta("frontend", "llmserve:request_success_total", finished_reason="length") == 3
+    assert delta("frontend", "llmserve:time_to_first_token_seconds_count") == 3
+    assert delta("frontend", "llmserve:inter_token_latency_seconds_count") == sent_generated - 3
+    for phase in ("queue", "prefill", "decode"):
+        assert delta("frontend", f"llmserve:request_{phase}_time_seconds_count") >= 3
+    assert delta("frontend", "llmserve:request_errors_total", api="grpc",
+                 code="INVALID_ARGUMENT") == 1
+    assert delta("frontend", "llmserve:request_errors_total", api="http", code="400") == 1
+    # Every token computed once: the prompts (no prefix shared) and the decodes.
+    assert delta("engine-core", "llmserve:iteration_tokens_total_sum") == \
+        sent_prompt + sent_generated - 3
+    assert delta("engine-core", "llmserve:prefix_cache_queries_total") == sent_prompt
+    steps = delta("engine-core", "llmserve:engine_step_duration_seconds_count")
+    assert steps >= max(max_tokens) and \
+        delta("worker", "llmserve:worker_forward_time_seconds_count") == steps
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert value(after["engine-core"], f"llmserve:{gauge}") == 0, gauge
+    info = engine_info_labels(after["engine-core"])
+    assert info["block_size"] == "16" and int(info["num_kv_blocks"]) > 0
+    worker = next(dict(ls) for (n, ls) in after["worker"] if n == "llmserve:worker_info")
+    assert worker["device"] == "cpu" and worker["dtype"] == "float32"
+    # The HTTP port serves the same frontend registry.
+    assert value(scrape(frontend_http), "llmserve:generation_tokens_total") == \
+        value(after["frontend"], "llmserve:generation_tokens_total")
+    # And the same instruments reach the OTLP endpoint.
+    wait_for(lambda: {"llmserve.generation_tokens", "llmserve.time_to_first_token_seconds"}
+             <= otlp.metric_names.get("llmserve-frontend", set())
+             and "llmserve.num_requests_running" in otlp.metric_names.get("llmserve-engine-core", ())
+             and "llmserve.worker_forward_time_seconds" in otlp.metric_names.get(
+                 "llmserve-worker", ()), what="OTLP metrics of all three services")
+
+
+def engine_info_labels(samples: dict) -> dict:
+    return next(dict(ls) for (n, ls) in samples if n == "llmserve:cache_config_info")
