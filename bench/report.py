@@ -145,6 +145,7 @@ def _phases(results: dict) -> list[str]:
 
 def to_markdown(results: dict) -> str:
     from bench.observability import observability_section
+    from bench.soak import soak_section
     from bench.report_modes import dtype_sections, modes_section
     from bench.report_sections import floor_section, serving_section, vllm_section
 
@@ -157,7 +158,7 @@ def to_markdown(results: dict) -> str:
         lines += _single(results)
     if results.get("serving"):
         lines += serving_section(results)
-    lines += observability_section(results)
+    lines += observability_section(results) + soak_section(results)
     lines += vllm_section(results) + floor_section(results)
     lines += dtype_sections(results) + modes_section(results)
     return "\n".join(lines + _phases(results))

@@ -158,17 +158,21 @@ def run(s: Settings, command: str) -> dict:
     steps = [(s.skip_floor, run_floor), (s.skip_baseline, run_baseline),
              (s.skip_vllm, run_vllm), (s.skip_offline, run_offline),
              (s.skip_serving, run_serving)]
+    if s.soak_minutes:
+        from bench.soak import run_soak
+
+        steps = [(False, run_soak)]
     for skip, step in steps:
         if not skip:
             step(s, model_dir, phases, results)
             gc.collect()  # drop one phase's model before the next loads its own
-    if not (s.skip_serving or s.skip_observability):
+    if not (s.skip_serving or s.skip_observability or s.soak_minutes):
         from bench.observability import run_observability
 
         run_observability(s, model_dir, phases, results)
-    for dtype in s.extra_dtypes:
+    for dtype in [] if s.soak_minutes else s.extra_dtypes:
         run_extra_dtype(s, model_dir, phases, results, dtype)
-    if not s.skip_modes:
+    if not (s.skip_modes or s.soak_minutes):
         from bench.modes import run_modes
 
         run_modes(s, model_dir, phases, results)

@@ -50,6 +50,8 @@ class Settings:
     skip_serving: bool = False
     # Served throughput with tracing and metrics on against off (bench/observability.py).
     skip_observability: bool = False
+    # > 0: run only the soak (bench/soak.py), this many minutes.
+    soak_minutes: float = 0.0
     skip_baseline: bool = False
     skip_vllm: bool = False
     skip_floor: bool = False

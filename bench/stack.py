@@ -7,8 +7,13 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterator
 
+import grpc
+
 from llmserve.launcher import LocalStack
+from services.common import convert
 from services.common.config import CacheConfig, EngineConfig, ModelConfig
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.common.request_types import EngineStats
 
 
 @contextmanager
@@ -35,3 +40,10 @@ def serving_stack(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len
 
 def frontend_address(stack: LocalStack) -> str:
     return next(s.address for s in stack.services if s.name == "frontend")
+
+
+def engine_stats(stack: LocalStack, name: str = "engine-core") -> EngineStats:
+    address = next(s.address for s in stack.services if s.name == name)
+    with grpc.insecure_channel(address) as channel:
+        return convert.engine_stats_from_proto(engine_core_pb2_grpc.EngineCoreStub(
+            channel).GetStats(engine_core_pb2.GetStatsRequest(), timeout=10))

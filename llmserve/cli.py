@@ -12,6 +12,9 @@ import grpc
 
 def _serve(argv: list[str]) -> int:
     from services.common.config import add_engine_args, engine_config_from_args
+    from services.common.auth import add_api_key_arg
+    from services.common.server import add_drain_arg
+    from services.common.tls import add_tls_args, tls_from_args
     from llmserve.launcher import LocalStack
 
     parser = argparse.ArgumentParser(prog="llmserve serve",
@@ -25,11 +28,16 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus metrics: the frontend on this port, engine core i on "
                              "+1+i, then the workers (0: none)")
+    add_drain_arg(parser)
+    add_tls_args(parser)
+    add_api_key_arg(parser)
     add_engine_args(parser)
     args = parser.parse_args(argv)
     stack = LocalStack(engine_config_from_args(args), host=args.host, port=args.port,
                        engine_replicas=args.engine_replicas, http_port=args.http_port or None,
-                       metrics_port=args.metrics_port or None)
+                       metrics_port=args.metrics_port or None,
+                       drain_timeout_s=args.drain_timeout, restart_dead=True,
+                       tls=tls_from_args(args), api_key=args.api_key)
     # Explicit handlers: a shell starts background jobs with SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_keyboard_interrupt)
@@ -42,10 +50,12 @@ def _serve(argv: list[str]) -> int:
             print("llmserve: metrics at " + ", ".join(
                 f"{name} http://{a}/metrics" for name, a in stack.metrics_addresses.items()),
                 flush=True)
-        while all(s.process.poll() is None for s in stack.services):
+        # Dead workers and engine cores are started again (see supervisor.py); the
+        # frontend's death stops everything.
+        frontend = next(s for s in stack.services if s.name == "frontend")
+        while frontend.process.poll() is None:
             time.sleep(0.5)
-        dead = [s.name for s in stack.services if s.process.poll() is not None]
-        print(f"llmserve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+        print("llmserve: the frontend exited; stopping", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -13,6 +13,7 @@ are iterators of GenerateResponse; cancelling one (`.cancel()`, or leaving an
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -53,26 +54,48 @@ def _tokenize_request(prompt: str | None, chat: list[dict] | None) -> inference_
     return request
 
 
+def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
+    """TLS trusting the CA in the PEM file tls_ca ("" : the system's roots); None:
+    plaintext."""
+    if tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(Path(tls_ca).read_bytes() if tls_ca else None)
+
+
+def _key_metadata(api_key: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051"):
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """The public API over gRPC. api_key: sent with every call (when the server
+    has --api-key); tls_ca: speak TLS, trusting this CA file ("": system roots)."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None,
+                 tls_ca: str | None = None):
+        credentials = _credentials(tls_ca)
+        self.channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+                        if credentials else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.metadata = _key_metadata(api_key)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kwargs) -> Iterator[inference_pb2.GenerateResponse]:
         """A stream of responses (see build_generate_request for the arguments);
         `.cancel()` on it aborts the request."""
-        return self.stub.Generate(build_generate_request(prompt, **kwargs), timeout=timeout)
+        return self.stub.Generate(build_generate_request(prompt, **kwargs), timeout=timeout,
+                                  metadata=self.metadata)
 
     def tokenize(self, prompt: str | None = None, *, chat: list[dict] | None = None) -> list[int]:
-        return list(self.stub.Tokenize(_tokenize_request(prompt, chat)).token_ids)
+        return list(self.stub.Tokenize(_tokenize_request(prompt, chat),
+                                       metadata=self.metadata).token_ids)
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.stub.Detokenize(inference_pb2.DetokenizeRequest(
-            token_ids=token_ids, skip_special_tokens=skip_special_tokens)).text
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens),
+            metadata=self.metadata).text
 
     def model_info(self) -> inference_pb2.ModelInfo:
-        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -85,14 +108,22 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:50051"):
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """Client's asyncio twin (the same arguments)."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None,
+                 tls_ca: str | None = None):
+        credentials = _credentials(tls_ca)
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+                        if credentials else
+                        grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.metadata = _key_metadata(api_key)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kwargs) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Yields responses as they stream; leaving the loop early aborts the request."""
-        call = self.stub.Generate(build_generate_request(prompt, **kwargs), timeout=timeout)
+        call = self.stub.Generate(build_generate_request(prompt, **kwargs), timeout=timeout,
+                                  metadata=self.metadata)
         try:
             async for response in call:
                 yield response
@@ -101,14 +132,17 @@ class AsyncClient:
 
     async def tokenize(self, prompt: str | None = None, *,
                        chat: list[dict] | None = None) -> list[int]:
-        return list((await self.stub.Tokenize(_tokenize_request(prompt, chat))).token_ids)
+        return list((await self.stub.Tokenize(_tokenize_request(prompt, chat),
+                                              metadata=self.metadata)).token_ids)
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return (await self.stub.Detokenize(inference_pb2.DetokenizeRequest(
-            token_ids=token_ids, skip_special_tokens=skip_special_tokens))).text
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens),
+            metadata=self.metadata)).text
 
     async def model_info(self) -> inference_pb2.ModelInfo:
-        return await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        return await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(),
+                                            metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

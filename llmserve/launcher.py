@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.auth import API_KEY_ENV
 from services.common.config import EngineConfig, engine_args_to_argv
+from services.common.tls import TlsConfig, tls_to_argv
 from services.worker.cpu_cores import format_cores, split_cores
 
 _PR_SET_PDEATHSIG = 1
@@ -37,6 +39,7 @@ class ServiceProcess:
     process: subprocess.Popen
     log_path: Path | None
     address: str = ""
+    module_args: list[str] = field(default_factory=list)  # how to start it again
 
 
 @dataclass
@@ -61,6 +64,14 @@ class LocalStack:
     # frontend's port, then engine core i on +1+i, then the workers.
     metrics_port: int | None = None
     metrics_addresses: dict[str, str] = field(default_factory=dict)  # service -> host:port
+    # On stop, the frontend and engine cores finish what is in flight for this long.
+    drain_timeout_s: float = 30.0
+    # Start a worker or engine core that dies again, with backoff (see
+    # supervisor.py); the requests it was serving go on.
+    restart_dead: bool = False
+    # TLS on every hop (mutual with a CA), and the public API's key.
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    api_key: str = ""
     services: list[ServiceProcess] = field(default_factory=list)
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -73,15 +84,26 @@ class LocalStack:
                 "services.frontend", "--host", self.host,
                 "--engine-core-addresses", ",".join(e.address for e in engines),
                 "--model", self.config.model.model, *self._http_flags(),
-                *self._metrics_flags("frontend", 0, self.host)], self.port, deadline)
+                *self._metrics_flags("frontend", 0, self.host),
+                "--drain-timeout", str(self.drain_timeout_s), *tls_to_argv(self.tls)],
+                self.port, deadline)
         except BaseException:
             self.stop()
             raise
+        if self.restart_dead:
+            from llmserve.supervisor import Supervisor
+
+            self._supervisor = Supervisor(self)
+            self._supervisor.start()
         return frontend.address
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Stops the services in reverse start order (frontend first, so nothing
-        calls a stopped service): SIGTERM, then SIGKILL after grace_s."""
+        calls a stopped service): SIGTERM, then SIGKILL after grace_s (default:
+        the drain timeout and 10 s more)."""
+        grace_s = self.drain_timeout_s + 10 if grace_s is None else grace_s
+        if getattr(self, "_supervisor", None) is not None:
+            self._supervisor.stop()  # before the services, or it would restart them
         for service in reversed(self.services):
             if service.process.poll() is None:
                 service.process.send_signal(signal.SIGTERM)
@@ -100,14 +122,14 @@ class LocalStack:
             index = replica * tp + rank
             workers.append(self._spawn(name, [
                 "services.worker", "--host", "127.0.0.1", "--rank", str(rank),
-                *self._cores_flag(index),
+                *self._cores_flag(index), *tls_to_argv(self.tls),
                 *self._metrics_flags(name, 1 + self.engine_replicas + index)], 0, deadline))
         name = f"engine-core{suffix}"
         return self._spawn(name, [
             "services.engine_core", "--host", "127.0.0.1",
             "--worker-addresses", ",".join(w.address for w in workers),
-            *self._metrics_flags(name, 1 + replica), *engine_args_to_argv(self.config)],
-            0, deadline)
+            *self._metrics_flags(name, 1 + replica), "--drain-timeout", str(self.drain_timeout_s),
+            *tls_to_argv(self.tls), *engine_args_to_argv(self.config)], 0, deadline)
 
     def _http_flags(self) -> list[str]:
         if self.http_port is None:
@@ -138,25 +160,50 @@ class LocalStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def restart(self, service: ServiceProcess, timeout_s: float = 120.0) -> None:
+        """Starts a dead service again, on its old port (its clients reconnect)."""
+        port = int(service.address.rsplit(":", 1)[1])
+        fresh = self._launch(service.name, service.module_args, port)
+        service.process = fresh.process
+        self._wait_serving(service, time.monotonic() + timeout_s)
+
     def _spawn(self, name: str, module_args: list[str], port: int,
                deadline: float) -> ServiceProcess:
-        port_file = Path(self._tmp.name) / f"{name}.addr"
+        service = self._launch(name, module_args, port)
+        self.services.append(service)
+        self._wait_serving(service, deadline)
+        return service
+
+    def _launch(self, name: str, module_args: list[str], port: int) -> ServiceProcess:
+        port_file = self._port_file(name)
+        port_file.unlink(missing_ok=True)
         log_path = Path(self.log_dir) / f"{name}.log" if self.log_dir else None
-        out = open(log_path, "w") if log_path else None
+        out = open(log_path, "a") if log_path else None
         process = subprocess.Popen(
             [sys.executable, "-m", *module_args, "--port", str(port), "--port-file", str(port_file)],
             stdout=out, stderr=subprocess.STDOUT if out else None,
-            env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent)
+            env=self._environment(), preexec_fn=_die_with_parent)
         if out:
             out.close()
-        service = ServiceProcess(name, process, log_path)
-        self.services.append(service)
+        return ServiceProcess(name, process, log_path, module_args=module_args)
+
+    def _environment(self) -> dict[str, str]:
+        env = {**os.environ, **(self.env or {})}
+        if self.api_key:  # read by the frontend; not on its command line, for `ps` to show
+            env[API_KEY_ENV] = self.api_key
+        return env
+
+    def _port_file(self, name: str) -> Path:
+        return Path(self._tmp.name) / f"{name}.addr"
+
+    def _wait_serving(self, service: ServiceProcess, deadline: float) -> None:
+        port_file = self._port_file(service.name)
         while not port_file.exists():
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {process.returncode} before serving"
-                                   + (f"; see {log_path}" if log_path else ""))
+            if service.process.poll() is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with code {service.process.returncode} before "
+                    "serving" + (f"; see {service.log_path}" if service.log_path else ""))
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not start serving in time")
+                raise TimeoutError(f"{service.name} did not start serving in time")
             time.sleep(0.05)
         service.address = port_file.read_text().strip()
-        return service

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig
+from services.common.errors import InvalidArgument
 from services.common.pb import common_pb2, engine_core_pb2, inference_pb2, worker_pb2
 from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
@@ -37,7 +38,10 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
             values[name] = _SAMPLING_COLLECTIONS[name][0](getattr(pb, name))
         elif pb.HasField(name):
             values[name] = getattr(pb, name)
-    values["output_kind"] = OutputKind(values.get("output_kind") or OutputKind.DELTA)
+    kind = values.get("output_kind") or OutputKind.DELTA
+    if kind not in OutputKind.__members__.values():
+        raise InvalidArgument("sampling_params.output_kind", f"{kind} is not an OutputKind")
+    values["output_kind"] = OutputKind(kind)
     return SamplingParams(**values)
 
 
@@ -104,7 +108,8 @@ def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.Engine
     return engine_core_pb2.EngineCoreRequest(
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling_params=sampling_params_to_proto(r.sampling_params),
-        eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers, priority=r.priority)
+        eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers, priority=r.priority,
+        queue_slots=r.queue_slots, output_token_ids=r.output_token_ids)
 
 
 def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> EngineCoreRequest:
@@ -112,7 +117,9 @@ def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> Eng
                              prompt_token_ids=list(pb.prompt_token_ids),
                              sampling_params=sampling_params_from_proto(pb.sampling_params),
                              eos_token_ids=list(pb.eos_token_ids),
-                             trace_headers=dict(pb.trace_headers), priority=pb.priority)
+                             trace_headers=dict(pb.trace_headers), priority=pb.priority,
+                             queue_slots=max(1, pb.queue_slots),
+                             output_token_ids=list(pb.output_token_ids))
 
 
 def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:

@@ -23,6 +23,10 @@ class InvalidArgument(LLMServeError):
         self.field = field
 
 
+class Unauthenticated(LLMServeError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class NotFound(LLMServeError):
     code = grpc.StatusCode.NOT_FOUND
 
@@ -58,7 +62,9 @@ def from_rpc_error(error: grpc.RpcError) -> LLMServeError:
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Aborts the RPC with the status of any LLMServeError its handler raises
-    (and tells on_error, which counts them)."""
+    (and tells on_error, which counts them). It also parses requests itself: a
+    message that is not valid protobuf (bad UTF-8 in a string, say) is then
+    INVALID_ARGUMENT, where grpc's own parsing would answer INTERNAL."""
 
     def __init__(self, on_error: Callable[[grpc.StatusCode], None] | None = None):
         self.on_error = on_error or (lambda code: None)
@@ -68,21 +74,30 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        parse = handler.request_deserializer or (lambda raw: raw)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, self.on_error), handler.request_deserializer,
-                handler.response_serializer)
+                _wrap_unary(handler.unary_unary, parse, self.on_error),
+                None, handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, self.on_error), handler.request_deserializer,
-                handler.response_serializer)
+                _wrap_stream(handler.unary_stream, parse, self.on_error),
+                None, handler.response_serializer)
         return handler
 
 
-def _wrap_unary(behavior, on_error: Callable[[grpc.StatusCode], None]):
-    async def wrapper(request, context: grpc.aio.ServicerContext):
+def _parse(parse: Callable[[bytes], Any], raw: bytes) -> Any:
+    try:
+        return parse(raw)
+    except Exception as e:  # protobuf's DecodeError, and whatever a parser raises
+        raise InvalidArgument("request", f"is not a valid message: {e}") from None
+
+
+def _wrap_unary(behavior, parse: Callable[[bytes], Any],
+                on_error: Callable[[grpc.StatusCode], None]):
+    async def wrapper(raw: bytes, context: grpc.aio.ServicerContext):
         try:
-            return await behavior(request, context)
+            return await behavior(_parse(parse, raw), context)
         except LLMServeError as e:
             on_error(e.code)
             await context.abort(e.code, str(e))
@@ -90,10 +105,11 @@ def _wrap_unary(behavior, on_error: Callable[[grpc.StatusCode], None]):
     return wrapper
 
 
-def _wrap_stream(behavior, on_error: Callable[[grpc.StatusCode], None]):
-    async def wrapper(request, context: grpc.aio.ServicerContext):
+def _wrap_stream(behavior, parse: Callable[[bytes], Any],
+                 on_error: Callable[[grpc.StatusCode], None]):
+    async def wrapper(raw: bytes, context: grpc.aio.ServicerContext):
         try:
-            async for response in behavior(request, context):
+            async for response in behavior(_parse(parse, raw), context):
                 yield response
         except LLMServeError as e:
             on_error(e.code)

@@ -44,6 +44,12 @@ class EngineCoreRequest:
     trace_headers: dict[str, str] = field(default_factory=dict)
     # Lower values are served first under the priority scheduling policy.
     priority: int = 0
+    # Waiting-queue slots it needs free to be admitted: itself and the choices
+    # of its request still to come (n - choice index), so that n choices count n
+    # times against the queue limit and the first is refused, not the last.
+    queue_slots: int = 1
+    # Tokens already generated on an engine core that died: it goes on after them.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

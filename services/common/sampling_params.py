@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
 
+# Bounds on what one request may ask for (documented in protos/inference.proto):
+# each keeps the per-request work, and what one request can hold, small.
 MAX_LOGPROBS = 20
+MAX_N = 16  # choices; each is an engine request with its own KV cache
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 # vLLM clamps logit_bias values to this range.
 MAX_LOGIT_BIAS = 100.0
 
@@ -95,7 +100,7 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidArgument naming the first bad field."""
         checks = [
-            ("n", self.n >= 1, "must be >= 1"),
+            ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", 0 <= self.min_tokens <= (self.max_tokens or math.inf),
              f"must be in [0, max_tokens={self.max_tokens}]"),
@@ -114,6 +119,10 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None
              or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
             ("stop", all(self.stop), "stop strings must not be empty"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS,
+             f"at most {MAX_STOP_STRINGS} stop strings (got {len(self.stop)})"),
+            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+             f"each stop string has at most {MAX_STOP_STRING_CHARS} characters"),
             ("bad_words", all(w.strip() for w in self.bad_words), "words must not be empty"),
             ("logit_bias", all(map(_finite, self.logit_bias.values())), "biases must be finite"),
             ("bad_words_token_ids", all(self.bad_words_token_ids),

@@ -1,36 +1,69 @@
 """One way to run a gRPC service: asyncio server, health, reflection, graceful stop."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import signal
-from typing import Awaitable, Callable
+import time
+from typing import Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import metrics, tracing
+from services.common.auth import ApiKeyInterceptor
 from services.common.errors import ErrorMappingInterceptor
 from services.common.grpc_options import SERVER_OPTIONS
+from services.common.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
+
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def add_drain_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="on SIGTERM, seconds to let requests in flight finish while "
+                             "refusing new ones (match Kubernetes' terminationGracePeriodSeconds)")
+
+
+class Drainable(Protocol):
+    """A service core that can refuse new work and count what it still runs."""
+
+    def start_draining(self) -> None: ...
+
+    def num_in_flight(self) -> int: ...
 
 
 class ServiceServer:
     """A grpc.aio server for one llmserve service, plus health and reflection.
 
     Health: "" reports liveness and `service_name` readiness; both turn
-    NOT_SERVING before a graceful stop.
+    NOT_SERVING when a graceful stop begins.
     """
 
     def __init__(self, service_name: str, register: Callable[[grpc.aio.Server], None],
-                 on_error: Callable[[grpc.StatusCode], None] | None = None):
-        """on_error sees the status of every RPC that fails with an LLMServeError."""
+                 on_error: Callable[[grpc.StatusCode], None] | None = None,
+                 drainable: Drainable | None = None,
+                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                 tls: TlsConfig = TlsConfig(), require_client_cert: bool = True,
+                 api_key: str = ""):
+        """on_error sees the status of every RPC that fails with an LLMServeError;
+        drainable is drained on stop (see stop()); tls, when enabled, serves TLS
+        (mutual when it has a CA and require_client_cert); api_key, when set, is
+        required on service_name's methods."""
         self.service_name = service_name
-        self.server = grpc.aio.server(options=SERVER_OPTIONS,
-                                      interceptors=[ErrorMappingInterceptor(on_error)])
+        self.drainable = drainable
+        self.drain_timeout_s = drain_timeout_s
+        self.tls, self.require_client_cert = tls, require_client_cert
+        interceptors = [ErrorMappingInterceptor(on_error)]
+        if api_key:
+            interceptors.insert(0, ApiKeyInterceptor(api_key, service_name))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         register(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -39,7 +72,11 @@ class ServiceServer:
 
     async def start(self, host: str, port: int, port_file: str | None = None) -> str:
         """Binds (port 0 picks a free one) and starts; returns host:port."""
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if self.tls.enabled:
+            bound = self.server.add_secure_port(
+                f"{host}:{port}", self.tls.server_credentials(self.require_client_cert))
+        else:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         await self.server.start()
@@ -52,9 +89,26 @@ class ServiceServer:
         return address
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        """Graceful: health turns NOT_SERVING; a drainable core refuses new work and
+        finishes what it runs, for up to drain_timeout_s, while the server still
+        answers (health, the streams in flight); then the server stops."""
         await self.health.enter_graceful_shutdown()
+        if self.drainable is not None:
+            await self._drain()
         await self.server.stop(grace_s)
         logger.info("%s stopped", self.service_name)
+
+    async def _drain(self) -> None:
+        self.drainable.start_draining()
+        deadline = time.monotonic() + self.drain_timeout_s
+        logger.info("%s draining: %d requests in flight, up to %.0f s", self.service_name,
+                    self.drainable.num_in_flight(), self.drain_timeout_s)
+        while self.drainable.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.drainable.num_in_flight()
+        if left:
+            logger.warning("%s: drain timeout; %d requests still in flight are cut",
+                           self.service_name, left)
 
     async def serve_until_signal(self) -> None:
         """Waits for SIGINT/SIGTERM (this loop must run on the main thread), then

@@ -77,6 +77,18 @@ class EngineCore:
                 "llmserve.step.num_requests": len(scheduler_output.num_scheduled_tokens),
                 "llmserve.step.num_tokens": scheduler_output.total_num_scheduled_tokens})
 
+    def recover_workers(self) -> None:
+        """After a worker died and came back (restarted, empty): loads the model and
+        the KV cache into the workers again, and requeues every unfinished request
+        to be recomputed from its prompt and the tokens it already has, so that
+        each goes on where it was. Raises while the workers are not back."""
+        self.scheduler.requeue_all()
+        self.executor.reconnect()
+        self.executor.load_model(self.config.model, self.config.cache, self.config.parallel)
+        self.executor.init_kv_cache(self.info.num_kv_blocks)
+        logger.info("workers recovered: %d requests resume by recomputation",
+                    len(self.scheduler.waiting))
+
     def reset_prefix_cache(self) -> bool:
         """Forgets the prefix cache; False (and nothing done) while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()

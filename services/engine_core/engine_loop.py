@@ -13,6 +13,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+
+import grpc
 from typing import AsyncIterator, Callable
 
 from services.common.errors import FailedPrecondition, LLMServeError, Unavailable
@@ -22,6 +24,9 @@ from services.engine_core.engine_core import EngineCore
 from services.engine_core.metrics import EngineCoreMetrics
 
 logger = logging.getLogger(__name__)
+# How long a failed step waits for its workers to be restarted (by `llmserve
+# serve`, or Kubernetes) before failing the requests in flight.
+WORKER_RECOVERY_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -37,6 +42,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _OutputStream] = {}  # touched by the loop thread only
         self._stopped = False
+        self.draining = False  # shutting down: new requests are refused
         self._thread = threading.Thread(target=self._run, name="engine-core-loop", daemon=True)
         self._thread.start()
 
@@ -44,6 +50,8 @@ class EngineLoop:
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """Adds the request and yields its outputs; leaving early aborts it."""
+        if self.draining:
+            raise Unavailable("this engine core is shutting down; send the request to another")
         stream = _OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         await self._call(lambda: self._add(request, stream))
         finished = False
@@ -65,11 +73,19 @@ class EngineLoop:
         if not await self._call(self.core.reset_prefix_cache):
             raise FailedPrecondition("requests still hold KV blocks; retry when idle")
 
+    def start_draining(self) -> None:
+        self.draining = True
+
+    def num_in_flight(self) -> int:
+        # A read of a dict the loop thread changes: its size is enough here.
+        return len(self._streams)
+
     def stats(self) -> EngineStats:
         # Plain reads of counters the loop thread updates; no lock needed.
         return self.core.stats()
 
     def shutdown(self) -> None:
+        self._stopped = True  # also ends a wait for workers to recover
         self._inbox.put(self._stop)
         self._thread.join(timeout=30)
         self.core.shutdown()
@@ -106,9 +122,10 @@ class EngineLoop:
                 continue
             try:
                 self._step()
-            except Exception as e:  # a dead worker: fail every live request
-                logger.exception("engine step failed; failing all live requests")
-                self._fail_all(e)
+            except Exception as e:
+                if not (_worker_lost(e) and self._recover_workers()):
+                    logger.exception("engine step failed; failing all live requests")
+                    self._fail_all(e)
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -117,6 +134,28 @@ class EngineLoop:
             self.metrics.observe_step(time.perf_counter() - start,
                                       self.core.num_scheduled_tokens_last_step)
         self._dispatch(outputs)
+
+    def _recover_workers(self) -> bool:
+        """Retries EngineCore.recover_workers, with backoff, until the workers are
+        back (True) or WORKER_RECOVERY_TIMEOUT_S has passed (False). Requests wait
+        meanwhile; new ones and aborts are taken once the loop steps again."""
+        logger.error("a worker is gone; waiting for it to come back")
+        deadline = time.monotonic() + WORKER_RECOVERY_TIMEOUT_S
+        delay = 0.5
+        while not self._stopped:
+            try:
+                self.core.recover_workers()
+                return True
+            except NotImplementedError:
+                return False
+            except Exception as e:
+                if time.monotonic() + delay > deadline:
+                    logger.error("the workers did not come back in %.0f s: %s",
+                                 WORKER_RECOVERY_TIMEOUT_S, e)
+                    return False
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+        return False
 
     def _fail_all(self, error: Exception) -> None:
         self.core.abort_requests(list(self._streams))
@@ -138,6 +177,12 @@ class EngineLoop:
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
+
+
+def _worker_lost(error: Exception) -> bool:
+    """A step failed because a worker went away (not a bug, which recovering the
+    workers would only repeat)."""
+    return isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

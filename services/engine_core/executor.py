@@ -6,10 +6,10 @@ import grpc
 
 from services.common import convert
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig
-from services.common.grpc_options import CHANNEL_OPTIONS
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from services.common.tls import TlsConfig, sync_channel
 
 
 class Executor(abc.ABC):
@@ -28,6 +28,11 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def reconnect(self) -> None:
+        """Waits until restarted workers answer again; raises if they cannot come
+        back (in-process workers cannot die alone)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot recover its workers")
 
     def shutdown(self) -> None:
         pass
@@ -60,14 +65,18 @@ class InprocExecutor(Executor):
 class GrpcExecutor(Executor):
     """Talks to remote worker processes; each step goes to every worker."""
 
-    def __init__(self, addresses: list[str], rpc_timeout_s: float = 600.0):
-        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+    def __init__(self, addresses: list[str], tls: TlsConfig = TlsConfig(),
+                 rpc_timeout_s: float = 600.0):
+        self.channels = [sync_channel(a, tls) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.rpc_timeout_s = rpc_timeout_s
 
     def wait_ready(self, timeout_s: float) -> None:
         for channel in self.channels:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
+
+    def reconnect(self, timeout_s: float = 5.0) -> None:
+        self.wait_ready(timeout_s)
 
     def _call_all(self, method: str, request):
         futures = [getattr(stub, method).future(request, timeout=self.rpc_timeout_s)

@@ -25,6 +25,8 @@ class Request:
     trace_headers: dict[str, str] = field(default_factory=dict)
     # Lower values are served first under the priority policy.
     priority: int = 0
+    # Waiting-queue slots it needs to be admitted (EngineCoreRequest.queue_slots).
+    queue_slots: int = 1
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -43,7 +45,7 @@ class Request:
     events: list[RequestEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
@@ -51,7 +53,9 @@ class Request:
                    prompt_token_ids=list(request.prompt_token_ids),
                    sampling_params=request.sampling_params,
                    eos_token_ids=frozenset(request.eos_token_ids),
-                   trace_headers=dict(request.trace_headers), priority=request.priority)
+                   trace_headers=dict(request.trace_headers), priority=request.priority,
+                   queue_slots=request.queue_slots,
+                   output_token_ids=list(request.output_token_ids))
 
     @property
     def num_tokens(self) -> int:

@@ -49,16 +49,18 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise AlreadyExists(f"request id {request.request_id!r} is already running")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
+        if request.num_prompt_tokens == 0:
             raise InvalidArgument("prompt", "is empty")
-        if num_prompt >= self.max_model_len:
+        if request.num_tokens >= self.max_model_len:
             raise InvalidArgument(
-                "prompt", f"has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
-                "which must leave room for at least one generated token")
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting "
-                                    f"(--max-waiting-requests); retry later")
+                "prompt", f"has {request.num_tokens} tokens (with those already generated); "
+                f"max_model_len is {self.max_model_len}, which must leave room for at least "
+                "one generated token")
+        if len(self.waiting) + request.queue_slots > self.config.max_waiting_requests:
+            raise ResourceExhausted(
+                f"{len(self.waiting)} requests are already waiting (--max-waiting-requests "
+                f"{self.config.max_waiting_requests}), and this one needs {request.queue_slots} "
+                "places (one per choice); retry later")
         self.requests[request.request_id] = request
         self.waiting.add(request)
         request.record(Event.QUEUED)
@@ -90,6 +92,16 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def requeue_all(self) -> None:
+        """The workers lost their KV cache (one was restarted): every running
+        request goes back to wait, to be recomputed as after a preemption, and
+        the prefix cache forgets blocks whose contents are gone."""
+        for request in reversed(self.running):  # prepended: they keep their order
+            self._preempt(request)
+        self.running = []
+        self.finished_request_ids.clear()  # the new workers never saw them
+        self.kv_cache_manager.reset_prefix_cache()
 
 
     # ---- one step ------------------------------------------------------------

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.auth import add_api_key_arg
 from services.common.config import DEFAULT_MODEL
 from services.common.metrics import ServiceMetrics, add_metrics_port_arg
 from services.common.model_store import resolve_model, served_model_name
 from services.common.pb import inference_pb2, inference_pb2_grpc
-from services.common.server import ServiceServer, run_service
+from services.common.server import ServiceServer, add_drain_arg, run_service
+from services.common.tls import add_tls_args, tls_from_args
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_client import EngineClient
 from services.frontend.metrics import FrontendMetrics
@@ -35,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
     parser.add_argument("--http-host", help="its host (default: --host)")
     add_metrics_port_arg(parser)
+    add_drain_arg(parser)
+    add_tls_args(parser)
+    add_api_key_arg(parser)
     return parser.parse_args(argv)
 
 
@@ -50,7 +55,8 @@ async def build_async_llm(engine: EngineClient, model: str,
 
 
 async def serve(args: argparse.Namespace) -> None:
-    engine = EngineRouter(args.engine_core_addresses.split(","))
+    tls = tls_from_args(args)
+    engine = EngineRouter(args.engine_core_addresses.split(","), tls=tls)
     await engine.start(timeout_s=120.0)
     # Metrics are kept when something serves them: --metrics-port or the HTTP API.
     metrics = ServiceMetrics("llmserve-frontend") if args.metrics_port or args.http_port else None
@@ -59,9 +65,12 @@ async def serve(args: argparse.Namespace) -> None:
     server = ServiceServer(SERVICE_NAME,
                            lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s),
                            on_error=llm.metrics and (
-                               lambda code: llm.metrics.count_error("grpc", code.name)))
-    http = (HttpServer(build_app(llm), args.http_host or args.host, args.http_port)
-            if args.http_port else None)
+                               lambda code: llm.metrics.count_error("grpc", code.name)),
+                           drainable=llm, drain_timeout_s=args.drain_timeout,
+                           # Public callers show an API key, not a client certificate.
+                           tls=tls, require_client_cert=False, api_key=args.api_key)
+    http = (HttpServer(build_app(llm, args.api_key), args.http_host or args.host,
+                       args.http_port, tls) if args.http_port else None)
     try:
         if args.metrics_port:
             metrics.serve(args.host, args.metrics_port)

@@ -17,7 +17,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.common import tracing
-from services.common.errors import AlreadyExists, LLMServeError
+from services.common.errors import AlreadyExists, InvalidArgument, LLMServeError, Unavailable
 from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.frontend.async_merge import merge
@@ -28,6 +28,7 @@ from services.frontend.processor import ChatMessage, Processor
 
 logger = logging.getLogger(__name__)
 _tracer = tracing.tracer(__name__)
+MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass
@@ -66,6 +67,13 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(processor.tokenizer, metrics)
         # Ids reserved from the moment a request arrives (before tokenization ends).
         self._live_request_ids: set[str] = set()
+        self.draining = False  # shutting down: new requests are refused
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    def num_in_flight(self) -> int:
+        return len(self._live_request_ids)
 
     @property
     def tokenizer(self):
@@ -81,6 +89,10 @@ class AsyncLLM:
         """The request's outputs as they come; leaving early aborts it in the engine.
         Raises LLMServeError subclasses (InvalidArgument, ResourceExhausted, ...)."""
         options = options or RequestOptions()
+        if self.draining:
+            raise Unavailable("this server is shutting down; send the request to another one")
+        if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument("request_id", f"must have 1 to {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self._live_request_ids:
             raise AlreadyExists(f"request_id {request_id!r} is still running; use another id")
         self._live_request_ids.add(request_id)

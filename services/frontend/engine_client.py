@@ -9,10 +9,10 @@ import grpc
 
 from services.common import convert, tracing
 from services.common.errors import Unavailable, from_rpc_error
-from services.common.grpc_options import CHANNEL_OPTIONS
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats)
+from services.common.tls import TlsConfig, aio_channel
 from services.engine_core.engine_loop import EngineLoop
 
 
@@ -59,9 +59,9 @@ class InprocEngineClient(EngineClient):
 class GrpcEngineClient(EngineClient):
     """A remote engine core."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: TlsConfig = TlsConfig()):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, tls)
         self.stub = engine_core_pb2_grpc.EngineCoreStub(self.channel)
 
     async def wait_ready(self, timeout_s: float) -> None:

@@ -4,9 +4,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from services.common.errors import InvalidArgument
 from services.common.request_types import EngineCoreRequest, EngineInfo
 from services.common.sampling_params import SamplingParams
+
+# Text longer than this many characters per token of max_model_len is refused
+# before tokenizing it (tokenizing megabytes would hold a thread for seconds,
+# only to refuse the prompt as too long afterwards).
+MAX_PROMPT_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -30,6 +37,8 @@ class Processor:
         if len(given) != 1:
             raise InvalidArgument("input", "give exactly one of prompt, token_ids or chat"
                                   + (f" (got {', '.join(given)})" if given else ""))
+        self._check_text_length(prompt or "".join(m.content for m in chat or ()),
+                                "prompt" if prompt is not None else "chat.messages")
         if prompt is not None:
             if not prompt:
                 raise InvalidArgument("prompt", "is empty")
@@ -56,8 +65,10 @@ class Processor:
             request_id=request_id if n == 1 else f"{request_id}-{i}",
             prompt_token_ids=prompt_token_ids,
             sampling_params=(sampling_params if sampling_params.seed is None else
-                             dataclasses.replace(sampling_params, seed=sampling_params.seed + i)),
-            eos_token_ids=self.eos_token_ids, trace_headers=trace_headers, priority=priority)
+                             dataclasses.replace(sampling_params,
+                                                 seed=(sampling_params.seed + i) % 2**64)),
+            eos_token_ids=self.eos_token_ids, trace_headers=trace_headers, priority=priority,
+            queue_slots=n - i)
             for i in range(n)]
 
     def _resolve(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
@@ -75,6 +86,12 @@ class Processor:
         self._check_token_ids(token_ids, allow_empty=True)
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def _check_text_length(self, text: str, field_name: str) -> None:
+        limit = MAX_PROMPT_CHARS_PER_TOKEN * self.engine_info.max_model_len
+        if len(text) > limit:
+            raise InvalidArgument(field_name, f"has {len(text)} characters; at most {limit} "
+                                  f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of max_model_len)")
+
     def _check_token_ids(self, token_ids: list[int], allow_empty: bool = False) -> None:
         if not token_ids and not allow_empty:
             raise InvalidArgument("token_ids", "is empty")
@@ -88,9 +105,12 @@ class Processor:
             raise InvalidArgument("chat.messages", "is empty")
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("chat", "this model has no chat template; send a prompt")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in chat],
-            add_generation_prompt=add_generation_prompt, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in chat],
+                add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateError as e:  # the template refuses these messages (roles, order)
+            raise InvalidArgument("chat.messages", f"the chat template refused them: {e}") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -7,18 +7,21 @@ one request, say) follows it, so that it finds that prompt in the same prefix
 cache. (Keying on a shorter prefix would send every chat to one replica: chat
 templates start alike.)
 A replica that fails a call or a stats poll is taken out until a poll succeeds
-again; requests in flight on a replica that dies end with UNAVAILABLE.
+again; requests in flight on a replica that dies go on on another one (see
+generate), and end with UNAVAILABLE only when no replica is left.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 import grpc
 
 from services.common.errors import LLMServeError, Unavailable
-from services.common.request_types import EngineStats
+from services.common.request_types import EngineCoreRequest, EngineStats
+from services.common.tls import TlsConfig
 from services.frontend.engine_client import EngineClient, GrpcEngineClient
 
 logger = logging.getLogger(__name__)
@@ -37,8 +40,9 @@ class _Replica:
 
 
 class EngineRouter(EngineClient):
-    def __init__(self, addresses: list[str], poll_interval_s: float = 0.5):
-        self.replicas = [_Replica(GrpcEngineClient(a)) for a in addresses]
+    def __init__(self, addresses: list[str], poll_interval_s: float = 0.5,
+                 tls: TlsConfig = TlsConfig()):
+        self.replicas = [_Replica(GrpcEngineClient(a, tls)) for a in addresses]
         self.poll_interval_s = poll_interval_s
         self._owner: dict[str, _Replica] = {}
         # Prompt -> (replica, requests in flight with it).
@@ -52,22 +56,50 @@ class EngineRouter(EngineClient):
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def generate(self, request):
+        """Streams from one replica; when that replica dies (UNAVAILABLE) another
+        takes the request over, from its prompt and the tokens already streamed,
+        and the stream goes on as if nothing happened."""
+        streamed: list[int] = []
+        answered = False  # the request's prompt logprobs (if asked for) come first
+        while True:
+            replica = self._route(request)
+            try:
+                async for output in self._generate_on(replica, request):
+                    streamed += output.new_token_ids
+                    answered = True
+                    yield output
+                return
+            except LLMServeError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self._mark_down(replica, e)
+                if not any(r.healthy for r in self.replicas):
+                    raise
+                logger.warning("request %s: engine core %s failed after %d tokens; resuming "
+                               "on another", request.request_id, replica.client.address,
+                               len(streamed))
+                request = _continuation(request, streamed, answered)
+                streamed = []
+
+    def _route(self, request) -> _Replica:
+        """The replica for a new request: where the same prompt is in flight, or the
+        least loaded."""
         prompt = tuple(request.prompt_token_ids)
         owner, count = self._prompts.get(prompt, (None, 0))
         replica = owner if owner is not None and owner.healthy else self._pick()
         self._prompts[prompt] = (replica, count + 1 if replica is owner else 1)
+        return replica
+
+    async def _generate_on(self, replica: _Replica, request):
         replica.in_flight += 1
         self._owner[request.request_id] = replica
         try:
             async for output in replica.client.generate(request):
                 yield output
-        except LLMServeError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE:
-                self._mark_down(replica, e)
-            raise
         finally:
             replica.in_flight -= 1
             self._owner.pop(request.request_id, None)
+            prompt = tuple(request.prompt_token_ids)
             owner, count = self._prompts.get(prompt, (None, 0))
             if owner is replica:
                 if count > 1:
@@ -122,3 +154,16 @@ class EngineRouter(EngineClient):
         while True:
             await asyncio.sleep(self.poll_interval_s)
             await self._poll_once()
+
+
+def _continuation(request: EngineCoreRequest, streamed: list[int],
+                  answered: bool) -> EngineCoreRequest:
+    """The request as another replica resumes it: the same prompt and parameters,
+    after the tokens already streamed. Prompt logprobs are not asked again once
+    the first replica answered (they come first; a prefill cut in the middle
+    leaves them short)."""
+    params = request.sampling_params
+    if answered and params.prompt_logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=None)
+    return dataclasses.replace(request, sampling_params=params,
+                               output_token_ids=request.output_token_ids + streamed)

@@ -10,6 +10,7 @@ import threading
 from services.common import metrics, tracing
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import ServiceServer, setup_logging
+from services.common.tls import add_tls_args, tls_from_args
 from services.worker.cpu_cores import parse_cores, pin_to_cores
 from services.worker.main_thread import MainThreadRunner
 from services.worker.metrics import WorkerMetrics
@@ -30,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run on these cores, e.g. 0-3 or 0,2 (default: all this process "
                              "may use); workers sharing a machine should not share cores")
     metrics.add_metrics_port_arg(parser)
+    add_tls_args(parser)
     return parser.parse_args(argv)
 
 
@@ -38,7 +40,8 @@ async def serve(args: argparse.Namespace, runner: MainThreadRunner,
     worker = Worker(rank=args.rank, device=args.device, pinned=args.cpu_cores is not None)
     servicer = WorkerServicer(worker, run=runner.run, metrics=_metrics(args, worker))
     server = ServiceServer(SERVICE_NAME,
-                           lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
+                           lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+                           tls=tls_from_args(args))
     await server.start(args.host, args.port, args.port_file)
     stop = asyncio.Event()
     stopping.set_result((asyncio.get_running_loop(), stop))

@@ -177,7 +177,7 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-        generators=[s.generator for s in states],
+        generators=_generators_for_this_draw(batch, rows, states),
         banned_token_ids=_banned_token_ids(batch, rows, states),
         disallowed_mask=_disallowed_mask(params, vocab_size),
         logit_bias=_logit_bias(params),
@@ -189,6 +189,29 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
         meta.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
         meta.prompt_token_mask, meta.output_token_counts = _token_histories(batch, rows, vocab_size)
     return meta
+
+
+def _generators_for_this_draw(batch: InputBatch, rows: np.ndarray,
+                              states: list[RequestState]) -> list[torch.Generator | None]:
+    """Seeded rows draw output token i from a generator seeded with (seed, i), so
+    a seed gives the same tokens whatever came before: other requests in the
+    batch, a preemption and its recomputation, or a restarted worker."""
+    generators = []
+    for row, state in zip(rows, states):
+        if state.generator is not None:
+            index = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            state.generator.manual_seed(_draw_seed(state.sampling_params.seed, index))
+        generators.append(state.generator)
+    return generators
+
+
+def _draw_seed(seed: int, output_index: int) -> int:
+    # A 64-bit mix (splitmix64's constants): nearby (seed, index) pairs get
+    # unrelated streams.
+    z = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def _banned_token_ids(batch: InputBatch, rows: np.ndarray,

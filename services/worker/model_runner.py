@@ -105,10 +105,9 @@ class ModelRunner:
         for new in so.new_requests:
             old = batch.state_of(new.request_id)  # set when resumed after a preemption
             span = old.span if old is not None else self._request_span(new)
-            generator = None
+            generator = None  # seeded for each draw (input_batch.py)
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(new.sampling_params.seed)
             batch.add(new, RequestState(new.request_id, new.sampling_params, new.eos_token_ids,
                                         generator, span))
         for cached in so.cached_requests:

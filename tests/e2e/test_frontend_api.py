@@ -47,6 +47,13 @@ def error_of(call) -> grpc.RpcError:
     ({}, "input"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "word " * 3000}, "max_model_len"),
+    # The documented bounds (protos/common.proto, protos/inference.proto).
+    ({"prompt": PROMPT, "n": 17}, "n"),
+    ({"prompt": PROMPT, "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"prompt": PROMPT, "stop": ["x" * 257]}, "stop"),
+    ({"prompt": PROMPT, "request_id": "r" * 257}, "request_id"),
+    ({"prompt": "x" * (32 * 2048 + 1)}, "prompt"),
+    ({"chat": [{"role": "user", "content": "x" * (32 * 2048 + 1)}]}, "chat.messages"),
 ])
 def test_invalid_arguments_name_the_field(client, kwargs, field):
     err = error_of(lambda: client.generate(**kwargs))

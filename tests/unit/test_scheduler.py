@@ -190,3 +190,24 @@ def test_prefill_is_capped_while_requests_decode():
     # The same tokens come out, only later, and every block is free again.
     assert outputs["capped"] == outputs["uncapped"] and len(outputs["capped"]) == 3
     assert steps > 4 and capped.kv_cache_manager.num_free_blocks == 128
+
+
+def test_n_choices_count_n_times_against_the_waiting_queue():
+    """Choice i of n asks for n - i free places: a request whose choices do not all
+    fit is refused at its first choice, before any of them is queued."""
+    from services.common.errors import ResourceExhausted
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                                  max_waiting_requests=4), CacheConfig(block_size=4), 256, 64)
+    for i, slots in enumerate((3, 2, 1)):  # n = 3 fits
+        r = request(f"a-{i}", 4)
+        r.queue_slots = slots
+        s.add_request(r)
+    first = request("b-0", 4)
+    first.queue_slots = 2  # n = 2: one place is left
+    with pytest.raises(ResourceExhausted, match="needs 2 places"):
+        s.add_request(first)
+    assert len(s.waiting) == 3
+    single = request("c", 4)
+    s.add_request(single)  # one place: a request with n = 1 still fits
+    assert len(s.waiting) == 4

@@ -11,7 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 
 from services.common import tracing
-from services.common.errors import LLMServeError, NotFound, Unavailable
+from services.common.auth import authorized
+from services.common.errors import LLMServeError, NotFound, Unauthenticated, Unavailable
 from services.frontend.async_llm import AsyncLLM, PromptInput, RequestOptions
 from services.frontend.openai_api import convert as C
 from services.frontend.openai_api import protocol as P
@@ -19,16 +20,22 @@ from services.frontend.openai_api.chat import ChatCompletions
 from services.frontend.openai_api.completions import Completions
 from services.frontend.openai_api.errors import error_body, install_error_handlers
 
+# What needs no API key: probes and scrapers.
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
 # /health fails when no engine core answers within this long.
 HEALTH_TIMEOUT_S = 5.0
 _ERRORS = {400: {"model": P.ErrorResponse}, 404: {"model": P.ErrorResponse},
            429: {"model": P.ErrorResponse}, 503: {"model": P.ErrorResponse}}
 
 
-def build_app(llm: AsyncLLM) -> FastAPI:
+def build_app(llm: AsyncLLM, api_key: str = "") -> FastAPI:
+    """The routes over `llm`; with api_key, every route but /health and /metrics
+    requires `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="llmserve", summary="OpenAI-compatible API of an llmserve frontend",
                   version="1")
     metrics = llm.metrics
+    if api_key:
+        _require_api_key(app, api_key)
     install_error_handlers(app, metrics and (lambda status: metrics.count_error("http", str(status))))
     completions, chat = Completions(llm), ChatCompletions(llm)
     created = int(time.time())
@@ -52,8 +59,10 @@ def build_app(llm: AsyncLLM) -> FastAPI:
 
     @app.get("/health", responses={503: {"model": P.ErrorResponse}})
     async def health():
-        """200 only when an engine core answers."""
+        """200 only when an engine core answers and the server is not shutting down."""
         try:
+            if llm.draining:
+                raise Unavailable("this server is shutting down")
             await asyncio.wait_for(llm.engine.get_stats(), HEALTH_TIMEOUT_S)
         except (LLMServeError, asyncio.TimeoutError) as e:
             error = e if isinstance(e, LLMServeError) else Unavailable("no engine core answered")
@@ -69,6 +78,17 @@ def build_app(llm: AsyncLLM) -> FastAPI:
     _add_tokenizer_routes(app, llm)
     _publish_served_model(app, llm.model_name)
     return app
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if request.url.path in _OPEN_PATHS or authorized(
+                api_key, request.headers.get("authorization")):
+            return await call_next(request)
+        error = Unauthenticated("a valid API key is required: send the header "
+                                "`Authorization: Bearer <key>`")
+        return JSONResponse(error_body(error).model_dump(), status_code=401)
 
 
 def _publish_served_model(app: FastAPI, model_name: str) -> None:

@@ -9,6 +9,8 @@ import logging
 import uvicorn
 from fastapi import FastAPI
 
+from services.common.tls import TlsConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,11 +23,14 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int):
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsConfig = TlsConfig()):
         # One log line per request comes from AsyncLLM; uvicorn's access log would
-        # be a second one.
+        # be a second one. Stopped once AsyncLLM has drained: what is still open
+        # then is cut soon. TLS without client certificates (callers use API keys).
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                ssl_certfile=tls.cert_file or None,
+                                ssl_keyfile=tls.key_file or None)
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 
