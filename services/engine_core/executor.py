@@ -79,9 +79,19 @@ class GrpcExecutor(Executor):
         self.wait_ready(timeout_s)
 
     def _call_all(self, method: str, request):
+        """Every rank's response. When ranks fail, a lost rank (UNAVAILABLE) is the
+        error raised: the others' errors (a collective cut short) follow from it."""
         futures = [getattr(stub, method).future(request, timeout=self.rpc_timeout_s)
                    for stub in self.stubs]
-        return [f.result() for f in futures]
+        responses, errors = [], []
+        for future in futures:
+            try:
+                responses.append(future.result())
+            except grpc.RpcError as e:
+                errors.append(e)
+        if errors:
+            raise next((e for e in errors if e.code() == grpc.StatusCode.UNAVAILABLE), errors[0])
+        return responses
 
     def load_model(self, model_config, cache_config, parallel_config):
         if parallel_config.tensor_parallel_size != len(self.stubs):
