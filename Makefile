@@ -11,6 +11,9 @@ PB_STAMP := $(PB_DIR)/__init__.py
 PROTOS := $(wildcard protos/*.proto)
 HOST ?= 127.0.0.1
 PORT ?= 50051
+# Optional dependencies to install with llmserve: the tests' by default; the
+# image (deploy/k8s/Dockerfile) installs none, or cuda (flash-attn).
+EXTRAS ?= test
 
 .PHONY: setup protos model servers run test bench clean
 
@@ -19,7 +22,7 @@ setup: $(INSTALLED) $(PB_STAMP) model
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	touch $@
 
 # Generated code is never edited by hand: protoc writes it, and sed turns the

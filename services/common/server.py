@@ -31,6 +31,12 @@ def add_drain_arg(parser: argparse.ArgumentParser) -> None:
                              "refusing new ones (match Kubernetes' terminationGracePeriodSeconds)")
 
 
+def add_health_port_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1, alone and without TLS, on this port: "
+                             "for Kubernetes' gRPC probes, which cannot speak TLS (0: none)")
+
+
 class Drainable(Protocol):
     """A service core that can refuse new work and count what it still runs."""
 
@@ -43,7 +49,9 @@ class ServiceServer:
     """A grpc.aio server for one llmserve service, plus health and reflection.
 
     Health: "" reports liveness and `service_name` readiness; both turn
-    NOT_SERVING when a graceful stop begins.
+    NOT_SERVING when a graceful stop begins. A service that is not ready when it
+    starts listening (a worker before its model is loaded) passes
+    ready_at_start=False and calls set_ready() later.
     """
 
     def __init__(self, service_name: str, register: Callable[[grpc.aio.Server], None],
@@ -51,7 +59,7 @@ class ServiceServer:
                  drainable: Drainable | None = None,
                  drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                  tls: TlsConfig = TlsConfig(), require_client_cert: bool = True,
-                 api_key: str = ""):
+                 api_key: str = "", ready_at_start: bool = True):
         """on_error sees the status of every RPC that fails with an LLMServeError;
         drainable is drained on stop (see stop()); tls, when enabled, serves TLS
         (mutual when it has a CA and require_client_cert); api_key, when set, is
@@ -60,6 +68,8 @@ class ServiceServer:
         self.drainable = drainable
         self.drain_timeout_s = drain_timeout_s
         self.tls, self.require_client_cert = tls, require_client_cert
+        self.ready_at_start = ready_at_start
+        self.health_server: grpc.aio.Server | None = None
         interceptors = [ErrorMappingInterceptor(on_error)]
         if api_key:
             interceptors.insert(0, ApiKeyInterceptor(api_key, service_name))
@@ -70,8 +80,10 @@ class ServiceServer:
         reflection.enable_server_reflection(
             [service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
 
-    async def start(self, host: str, port: int, port_file: str | None = None) -> str:
-        """Binds (port 0 picks a free one) and starts; returns host:port."""
+    async def start(self, host: str, port: int, port_file: str | None = None,
+                    health_port: int = 0) -> str:
+        """Binds (port 0 picks a free one) and starts; returns host:port. health_port,
+        when set, serves the health service alone there, in plaintext."""
         if self.tls.enabled:
             bound = self.server.add_secure_port(
                 f"{host}:{port}", self.tls.server_credentials(self.require_client_cert))
@@ -80,13 +92,28 @@ class ServiceServer:
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         await self.server.start()
+        if health_port:
+            await self._start_health_server(host, health_port)
         address = f"{host}:{bound}"
-        for name in ("", self.service_name):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.ready_at_start:
+            await self.set_ready()
+        else:
+            await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if port_file:
             _write_atomically(port_file, address)
         logger.info("%s serving on %s", self.service_name, address)
         return address
+
+    async def set_ready(self) -> None:
+        await self.health.set(self.service_name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _start_health_server(self, host: str, port: int) -> None:
+        self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        if self.health_server.add_insecure_port(f"{host}:{port}") == 0:
+            raise OSError(f"cannot listen on {host}:{port} (--health-port)")
+        await self.health_server.start()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Graceful: health turns NOT_SERVING; a drainable core refuses new work and
@@ -96,6 +123,8 @@ class ServiceServer:
         if self.drainable is not None:
             await self._drain()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         logger.info("%s stopped", self.service_name)
 
     async def _drain(self) -> None:

@@ -70,10 +70,14 @@ def sync_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def aio_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: TlsConfig | None = None,
+                server_name: str = "") -> grpc.aio.Channel:
+    """server_name: the name the server's certificate must hold, when the address
+    is not it (an IP that a DNS name resolved to)."""
     if tls is not None and tls.enabled:
+        override = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         return grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                       options=CHANNEL_OPTIONS)
+                                       options=[*CHANNEL_OPTIONS, *override])
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 

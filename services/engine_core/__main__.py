@@ -11,7 +11,8 @@ from services.common.config import add_engine_args, engine_config_from_args
 from services.common.metrics import ServiceMetrics, add_metrics_port_arg
 from services.common.model_store import resolve_model, served_model_name
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
-from services.common.server import ServiceServer, add_drain_arg, run_service
+from services.common.server import (ServiceServer, add_drain_arg, add_health_port_arg,
+                                    run_service)
 from services.common.tls import add_tls_args, tls_from_args
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.engine_loop import EngineLoop
@@ -44,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: tcp://<rank 0 host>:<free port>)")
     add_metrics_port_arg(parser)
     add_drain_arg(parser)
+    add_health_port_arg(parser)
     add_tls_args(parser)
     add_engine_args(parser)
     return parser.parse_args(argv)
@@ -64,7 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = ServiceServer(SERVICE_NAME,
                            lambda s: engine_core_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s),
                            drainable=engine, drain_timeout_s=args.drain_timeout, tls=tls)
-    await server.start(args.host, args.port, args.port_file)
+    await server.start(args.host, args.port, args.port_file, args.health_port)
     try:
         await server.serve_until_signal()
     finally:

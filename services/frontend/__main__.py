@@ -9,9 +9,11 @@ from services.common.config import DEFAULT_MODEL
 from services.common.metrics import ServiceMetrics, add_metrics_port_arg
 from services.common.model_store import resolve_model, served_model_name
 from services.common.pb import inference_pb2, inference_pb2_grpc
-from services.common.server import ServiceServer, add_drain_arg, run_service
+from services.common.server import (ServiceServer, add_drain_arg, add_health_port_arg,
+                                    run_service)
 from services.common.tls import add_tls_args, tls_from_args
 from services.frontend.async_llm import AsyncLLM
+from services.frontend.engine_addresses import parse_engine_addresses
 from services.frontend.engine_client import EngineClient
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_api.app import build_app
@@ -30,7 +32,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--engine-core-addresses", "--engine-core-address", required=True,
-                        help="comma-separated host:port of the engine-core replicas")
+                        type=_engine_addresses,
+                        help="the engine-core replicas: comma-separated host:port, or "
+                             "dns:[//dns-server/]name:port for every address of a DNS name "
+                             "(a Kubernetes headless Service), resolved again and again")
+    parser.add_argument("--dns-refresh-interval", type=float, default=5.0,
+                        help="seconds between lookups of a dns: engine-core address")
+    parser.add_argument("--engine-wait-timeout", type=float, default=120.0,
+                        help="seconds to wait at start for the engine cores to answer")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="model name or HF directory, for the tokenizer")
     parser.add_argument("--http-port", type=int, default=8000,
@@ -38,9 +47,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--http-host", help="its host (default: --host)")
     add_metrics_port_arg(parser)
     add_drain_arg(parser)
+    add_health_port_arg(parser)
     add_tls_args(parser)
     add_api_key_arg(parser)
     return parser.parse_args(argv)
+
+
+def _engine_addresses(text: str):
+    try:
+        return parse_engine_addresses(text)
+    except ValueError as e:  # argparse shows only this type's message
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 async def build_async_llm(engine: EngineClient, model: str,
@@ -56,8 +73,9 @@ async def build_async_llm(engine: EngineClient, model: str,
 
 async def serve(args: argparse.Namespace) -> None:
     tls = tls_from_args(args)
-    engine = EngineRouter(args.engine_core_addresses.split(","), tls=tls)
-    await engine.start(timeout_s=120.0)
+    engine = EngineRouter(args.engine_core_addresses, tls=tls,
+                          refresh_interval_s=args.dns_refresh_interval)
+    await engine.start(timeout_s=args.engine_wait_timeout)
     # Metrics are kept when something serves them: --metrics-port or the HTTP API.
     metrics = ServiceMetrics("llmserve-frontend") if args.metrics_port or args.http_port else None
     llm = await build_async_llm(engine, args.model, metrics)
@@ -76,7 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
             metrics.serve(args.host, args.metrics_port)
         if http is not None:
             await http.start()
-        await server.start(args.host, args.port, args.port_file)
+        await server.start(args.host, args.port, args.port_file, args.health_port)
         await server.serve_until_signal()
     finally:
         if http is not None:

@@ -59,9 +59,9 @@ class InprocEngineClient(EngineClient):
 class GrpcEngineClient(EngineClient):
     """A remote engine core."""
 
-    def __init__(self, address: str, tls: TlsConfig = TlsConfig()):
+    def __init__(self, address: str, tls: TlsConfig = TlsConfig(), server_name: str = ""):
         self.address = address
-        self.channel = aio_channel(address, tls)
+        self.channel = aio_channel(address, tls, server_name)
         self.stub = engine_core_pb2_grpc.EngineCoreStub(self.channel)
 
     async def wait_ready(self, timeout_s: float) -> None:

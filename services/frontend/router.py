@@ -9,19 +9,23 @@ templates start alike.)
 A replica that fails a call or a stats poll is taken out until a poll succeeds
 again; requests in flight on a replica that dies go on on another one (see
 generate), and end with UNAVAILABLE only when no replica is left.
+The replicas are what the engine-core addresses resolve to (engine_addresses.py):
+a DNS name is resolved again every refresh_interval_s, and replicas join or
+leave routing as its records change.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
+from typing import Callable
 
 import grpc
 
 from services.common.errors import LLMServeError, Unavailable
 from services.common.request_types import EngineCoreRequest, EngineStats
 from services.common.tls import TlsConfig
+from services.frontend.engine_addresses import DnsAddresses, ResolveError, StaticAddresses
 from services.frontend.engine_client import EngineClient, GrpcEngineClient
 
 logger = logging.getLogger(__name__)
@@ -40,20 +44,38 @@ class _Replica:
 
 
 class EngineRouter(EngineClient):
-    def __init__(self, addresses: list[str], poll_interval_s: float = 0.5,
-                 tls: TlsConfig = TlsConfig()):
-        self.replicas = [_Replica(GrpcEngineClient(a, tls)) for a in addresses]
-        self.poll_interval_s = poll_interval_s
+    def __init__(self, addresses: StaticAddresses | DnsAddresses, tls: TlsConfig = TlsConfig(),
+                 poll_interval_s: float = 0.5, refresh_interval_s: float = 5.0,
+                 connect: Callable[[str], EngineClient] | None = None):
+        """connect makes the client of one address (default: a GrpcEngineClient)."""
+        self.addresses = addresses
+        self.poll_interval_s, self.refresh_interval_s = poll_interval_s, refresh_interval_s
+        # An IP from a DNS name is checked against that name's certificate.
+        server_name = addresses.host if isinstance(addresses, DnsAddresses) else ""
+        self._connect = connect or (lambda address: GrpcEngineClient(address, tls, server_name))
+        self.replicas: list[_Replica] = []
         self._owner: dict[str, _Replica] = {}
         # Prompt -> (replica, requests in flight with it).
         self._prompts: dict[tuple[int, ...], tuple[_Replica, int]] = {}
-        self._poller: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self, timeout_s: float) -> None:
-        """Waits until every replica answers once, then keeps polling their load."""
-        await asyncio.gather(*(r.client.wait_ready(timeout_s) for r in self.replicas))
+        """Waits until the addresses name at least one engine core and each answers
+        once; then keeps polling their load and, for a DNS name, resolving it."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        await self._refresh()
+        while not self.replicas:
+            if asyncio.get_running_loop().time() > deadline:
+                raise Unavailable(f"{self.addresses} names no engine core after "
+                                  f"{timeout_s:.0f} s")
+            await asyncio.sleep(self.poll_interval_s)
+            await self._refresh()
+        remaining = max(deadline - asyncio.get_running_loop().time(), 1.0)
+        await asyncio.gather(*(r.client.wait_ready(remaining) for r in self.replicas))
         await self._poll_once()
-        self._poller = asyncio.create_task(self._poll_forever())
+        self._spawn(self._poll_forever())
+        if self.addresses.dynamic:
+            self._spawn(self._refresh_forever())
 
     async def generate(self, request):
         """Streams from one replica; when that replica dies (UNAVAILABLE) another
@@ -121,10 +143,9 @@ class EngineRouter(EngineClient):
         return await self._pick().client.get_info()
 
     async def close(self):
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(r.client.close() for r in self.replicas))
 
     def _pick(self) -> _Replica:
@@ -145,6 +166,8 @@ class EngineRouter(EngineClient):
             except (LLMServeError, asyncio.TimeoutError) as e:
                 self._mark_down(replica, e)
                 return
+            if replica not in self.replicas:  # left routing while we asked
+                return
             if not replica.healthy:
                 logger.info("engine core %s is up", replica.client.address)
             replica.healthy, replica.waiting = True, stats.num_waiting
@@ -154,6 +177,41 @@ class EngineRouter(EngineClient):
         while True:
             await asyncio.sleep(self.poll_interval_s)
             await self._poll_once()
+
+    async def _refresh(self) -> None:
+        """Brings the replicas in line with what the addresses resolve to now. New
+        ones join once a poll answers; gone ones leave routing at once, and their
+        connection closes when the requests they still stream end."""
+        try:
+            addresses = set(await self.addresses.resolve())
+        except ResolveError as e:  # keep routing to what we know
+            logger.warning("%s", e)
+            return
+        current = {r.client.address: r for r in self.replicas}
+        for address in sorted(addresses - current.keys()):
+            logger.info("engine core %s joins routing", address)
+            self.replicas.append(_Replica(self._connect(address)))
+        for address in sorted(current.keys() - addresses):
+            logger.info("engine core %s leaves routing", address)
+            replica = current[address]
+            replica.healthy = False
+            self.replicas.remove(replica)
+            self._spawn(self._close_when_idle(replica))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            await self._refresh()
+
+    async def _close_when_idle(self, replica: _Replica) -> None:
+        while replica.in_flight:
+            await asyncio.sleep(self.poll_interval_s)
+        await replica.client.close()
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _continuation(request: EngineCoreRequest, streamed: list[int],

@@ -9,7 +9,7 @@ import threading
 
 from services.common import metrics, tracing
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.server import ServiceServer, setup_logging
+from services.common.server import ServiceServer, add_health_port_arg, setup_logging
 from services.common.tls import add_tls_args, tls_from_args
 from services.worker.cpu_cores import parse_cores, pin_to_cores
 from services.worker.main_thread import MainThreadRunner
@@ -31,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run on these cores, e.g. 0-3 or 0,2 (default: all this process "
                              "may use); workers sharing a machine should not share cores")
     metrics.add_metrics_port_arg(parser)
+    add_health_port_arg(parser)
     add_tls_args(parser)
     return parser.parse_args(argv)
 
@@ -38,11 +39,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace, runner: MainThreadRunner,
                 stopping: "asyncio.Future[asyncio.Event]") -> None:
     worker = Worker(rank=args.rank, device=args.device, pinned=args.cpu_cores is not None)
-    servicer = WorkerServicer(worker, run=runner.run, metrics=_metrics(args, worker))
+    # Ready (health of the Worker service) once the engine core has loaded the model.
+    servicer = WorkerServicer(worker, run=runner.run, metrics=_metrics(args, worker),
+                              on_ready=lambda: server.set_ready())
     server = ServiceServer(SERVICE_NAME,
                            lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
-                           tls=tls_from_args(args))
-    await server.start(args.host, args.port, args.port_file)
+                           tls=tls_from_args(args), ready_at_start=False)
+    await server.start(args.host, args.port, args.port_file, args.health_port)
     stop = asyncio.Event()
     stopping.set_result((asyncio.get_running_loop(), stop))
     await server.serve_until(stop)

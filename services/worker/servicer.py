@@ -12,8 +12,11 @@ from services.worker.worker import Worker
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker: Worker, run: Callable[..., Awaitable] = asyncio.to_thread,
-                 metrics: WorkerMetrics | None = None):
+                 metrics: WorkerMetrics | None = None,
+                 on_ready: Callable[[], Awaitable[None]] | None = None):
+        """on_ready is awaited once the model and its KV cache are loaded."""
         self.worker = worker
+        self.on_ready = on_ready
         # How model work runs off the event loop (so health checks answer during a
         # step): a thread by default, the main thread in the worker process.
         self.run = run
@@ -31,6 +34,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def InitKvCache(self, request, context):
         await self.run(self.worker.init_kv_cache, request.num_blocks)
+        if self.on_ready is not None:
+            await self.on_ready()
         return worker_pb2.InitKvCacheResponse()
 
     async def ExecuteModel(self, request, context):

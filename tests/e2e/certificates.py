@@ -1,6 +1,7 @@
 """A CA and certificates made at test time with `cryptography` (nothing secret is
-checked in): one for the services (server and client use, for 127.0.0.1 and
-localhost), and one from another CA that the services must refuse."""
+checked in): one for the services (server and client use, for 127.0.0.1,
+localhost and llmserve-engine, the engines' Service name in deploy/k8s), and
+one from another CA that the services must refuse."""
 from __future__ import annotations
 
 import datetime
@@ -22,7 +23,7 @@ class CertFiles:
 
 
 def make_certificates(directory: Path, name: str = "llmserve") -> CertFiles:
-    """A new CA, and a certificate it signs for 127.0.0.1 / localhost."""
+    """A new CA, and a certificate it signs for 127.0.0.1 / localhost / llmserve-engine."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = _certificate(f"{name} test CA", ca_key.public_key(), ca_key, None, is_ca=True)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -50,6 +51,7 @@ def _certificate(common_name: str, public_key, signing_key, issuer: x509.Name | 
                .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
     if not is_ca:
         builder = builder.add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.DNSName("localhost"), x509.DNSName("llmserve-engine"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
             critical=False)
     return builder.sign(signing_key, hashes.SHA256())

@@ -48,16 +48,24 @@ def address(stack, name: str) -> str:
 
 
 def engine_stats(stack, name: str = "engine-core"):
-    with grpc.insecure_channel(address(stack, name)) as channel:
+    return engine_stats_at(address(stack, name))
+
+
+def engine_stats_at(engine_address: str):
+    with grpc.insecure_channel(engine_address) as channel:
         return engine_core_pb2_grpc.EngineCoreStub(channel).GetStats(
             engine_core_pb2.GetStatsRequest(), timeout=10)
 
 
 def wait_all_blocks_free(stack, name: str = "engine-core", timeout_s: float = 10.0):
     """Polls until the engine core holds no KV block and runs nothing."""
+    return wait_all_blocks_free_at(address(stack, name), timeout_s)
+
+
+def wait_all_blocks_free_at(engine_address: str, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = engine_stats(stack, name)
+        stats = engine_stats_at(engine_address)
         if stats.num_used_kv_blocks == 0 and stats.num_running == 0:
             return stats
         assert time.monotonic() < deadline, f"KV blocks still held: {stats}"

@@ -24,6 +24,7 @@ class ReceivedSpan:
     attributes: dict
     event_names: list[str]
     linked_trace_ids: list[str]
+    resource: dict  # the exporting process's resource attributes
 
 
 @dataclass
@@ -59,12 +60,14 @@ class OtlpReceiver:
     def add_spans(self, request) -> None:
         received = []
         for resource_spans in request.resource_spans:
-            service = _attributes(resource_spans.resource.attributes).get("service.name", "")
+            resource = _attributes(resource_spans.resource.attributes)
+            service = resource.get("service.name", "")
             for scope_spans in resource_spans.scope_spans:
                 received += [ReceivedSpan(
                     service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                     s.start_time_unix_nano, s.end_time_unix_nano, _attributes(s.attributes),
-                    [e.name for e in s.events], [link.trace_id.hex() for link in s.links])
+                    [e.name for e in s.events], [link.trace_id.hex() for link in s.links],
+                    resource)
                     for s in scope_spans.spans]
         with self._lock:
             self.spans += received

@@ -1,6 +1,8 @@
 """TLS on every hop, mutual TLS between the services, and the API key on the
 public gRPC and HTTP APIs; health stays open. Certificates are made at test
 time (certificates.py)."""
+import asyncio
+
 import grpc
 import pytest
 import requests
@@ -9,9 +11,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
 from services.common.config import CacheConfig, EngineConfig, ModelConfig
+from services.common.errors import Unavailable
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.tls import TlsConfig
+from services.frontend.engine_addresses import parse_engine_addresses
+from services.frontend.router import EngineRouter
 from tests.e2e.certificates import make_certificates
+from tests.e2e.dns_server import DnsServer
 
 pytestmark = pytest.mark.e2e
 KEY = "test-key-123"
@@ -109,3 +115,29 @@ def test_internal_services_require_a_client_certificate_from_their_ca(secure):
             engine_core_pb2_grpc.EngineCoreStub(channel).GetStats(
                 engine_core_pb2.GetStatsRequest(), timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_engines_found_by_dns_are_checked_against_the_dns_name(secure):
+    """With --engine-core-addresses dns:name:port, the frontend reaches engine pods
+    by IP and checks their certificates against the name (pod IPs change)."""
+    stack, certs, _ = secure
+    host, port = engine_core(stack).rsplit(":", 1)
+    dns = DnsServer()
+    dns.set("llmserve-engine", [host])
+    dns.set("elsewhere", [host])
+    tls = TlsConfig(certs.cert, certs.key, certs.ca)
+
+    async def max_model_len(name: str) -> int:
+        router = EngineRouter(parse_engine_addresses(f"dns://{dns.address}/{name}:{port}"),
+                              tls=tls)
+        try:
+            await router.start(timeout_s=5)
+            return (await router.get_info()).max_model_len
+        finally:
+            await router.close()
+    try:
+        assert asyncio.run(max_model_len("llmserve-engine")) > 0
+        with pytest.raises(Unavailable):  # a name the certificate does not hold
+            asyncio.run(max_model_len("elsewhere"))
+    finally:
+        dns.stop()
