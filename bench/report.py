@@ -159,7 +159,9 @@ def to_markdown(results: dict) -> str:
     if results.get("serving"):
         lines += serving_section(results)
     lines += observability_section(results) + soak_section(results)
-    lines += vllm_section(results) + floor_section(results)
+    if not results["settings"].get("soak_minutes"):  # a soak alone compares with nothing
+        lines += vllm_section(results)
+    lines += floor_section(results)
     lines += dtype_sections(results) + modes_section(results)
     return "\n".join(lines + _phases(results))
 
