@@ -204,9 +204,11 @@ class EngineRouter(EngineClient):
             await self._refresh()
 
     async def _close_when_idle(self, replica: _Replica) -> None:
-        while replica.in_flight:
-            await asyncio.sleep(self.poll_interval_s)
-        await replica.client.close()
+        try:
+            while replica.in_flight:
+                await asyncio.sleep(self.poll_interval_s)
+        finally:  # also when the router closes first
+            await replica.client.close()
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)

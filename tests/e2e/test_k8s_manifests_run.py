@@ -73,66 +73,83 @@ def test_the_manifests_serve_scale_and_drain(cluster, otlp):
     objects, dns, start = cluster
     templates = pod_templates(objects)
     service = find(objects, "Service", "llmserve-engine")["metadata"]["name"]
-    grpc_port = container_port(templates["llmserve-frontend"], "frontend", "grpc")
-    http_port = container_port(templates["llmserve-frontend"], "frontend", "http")
+    ports = {name: container_port(templates["llmserve-frontend"], "frontend", name)
+             for name in ("grpc", "http")}
     engine_port = container_port(templates["llmserve-engine"], "engine-core", "grpc")
 
     engine0 = start("llmserve-engine", "llmserve-engine-0", ENGINE_IPS[0])
     dns.set(service, [engine0.ip])  # ready: the headless Service lists it
     start("llmserve-frontend", "llmserve-frontend-0", FRONTEND_IP)
-
-    # The public APIs, through the frontend Service's ports.
-    text = generate(FRONTEND_IP, grpc_port, "The capital of France is", "k8s-first")
-    assert text.strip()
-    http = requests.post(f"http://{FRONTEND_IP}:{http_port}/v1/completions", timeout=60, json={
-        "model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-        "max_tokens": 6, "temperature": 0, "ignore_eos": True}).json()
-    assert http["choices"][0]["text"] == text
+    text = check_both_apis(ports)
 
     # Scale up: a second replica joins routing when the name lists it.
     engine1 = start("llmserve-engine", "llmserve-engine-1", ENGINE_IPS[1])
     dns.set(service, [engine0.ip, engine1.ip])
     second = f"{engine1.ip}:{engine_port}"
+    wait_until_it_serves(second, ports["grpc"])
+
+    # Scale down: engine-0 leaves the Service, then the kubelet's preStop and SIGTERM.
+    dns.set(service, [engine1.ip])
+    pre_stop = templates["llmserve-engine"]["spec"]["containers"][0]["lifecycle"]["preStop"]
+    time.sleep(pre_stop["sleep"]["seconds"])
+    assert stop_pod(engine0) == {"engine-core": 0, "worker": 0}  # drained, exited cleanly
+    steps = engine_stats_at(second).num_steps
+    assert generate(FRONTEND_IP, ports["grpc"], "The capital of France is", "k8s-last") == text
+    assert engine_stats_at(second).num_steps > steps
+
+    check_worker_restart(engine1, ports["grpc"])
+    assert wait_all_blocks_free_at(second).num_used_kv_blocks == 0
+    check_trace(otlp, "k8s-first")
+
+
+def check_both_apis(ports: dict[str, int]) -> str:
+    """Greedy text over gRPC equals the HTTP API's; returns it."""
+    text = generate(FRONTEND_IP, ports["grpc"], "The capital of France is", "k8s-first")
+    assert text.strip()
+    http = requests.post(f"http://{FRONTEND_IP}:{ports['http']}/v1/completions", timeout=60,
+                         json={"model": "SmolLM2-135M-Instruct",
+                               "prompt": "The capital of France is", "max_tokens": 6,
+                               "temperature": 0, "ignore_eos": True}).json()
+    assert http["choices"][0]["text"] == text
+    return text
+
+
+def wait_until_it_serves(engine_address: str, grpc_port: int) -> None:
+    """Sends bursts of 4 requests until the engine core there has run a step."""
     deadline = time.monotonic() + 60
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        while engine_stats_at(second).num_steps == 0:
+        while engine_stats_at(engine_address).num_steps == 0:
             assert time.monotonic() < deadline, "the new replica never got a request"
             list(pool.map(lambda i: generate(FRONTEND_IP, grpc_port, f"Count to {i}:",
                                              f"k8s-spread-{i}-{time.monotonic()}"), range(4)))
 
-    # Scale down: engine-0 leaves the Service, then the kubelet's preStop and SIGTERM.
-    dns.set(service, [engine1.ip])
-    engine_spec = templates["llmserve-engine"]["spec"]
-    time.sleep(engine_spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"])
-    assert stop_pod(engine0) == {"engine-core": 0, "worker": 0}  # drained, exited cleanly
-    steps = engine_stats_at(second).num_steps
-    assert generate(FRONTEND_IP, grpc_port, "The capital of France is", "k8s-last") == text
-    assert engine_stats_at(second).num_steps > steps
 
-    # The kubelet restarts a worker container that died (kill -9) mid-stream: the
-    # engine core reloads it and the stream goes on without an error. (The
-    # manifests' dtype is auto: bf16 on CPUs with AMX, where recomputing the
-    # request after the crash rounds differently than decoding it did, so only
-    # what was streamed before is compared; in fp32 the whole stream is
-    # identical: test_worker_recovery.py.)
+def check_worker_restart(pod, grpc_port: int) -> None:
+    """The kubelet restarts a worker container that died (kill -9) mid-stream: the
+    engine core reloads it and the stream goes on without an error. (The
+    manifests' dtype is auto: bf16 on CPUs with AMX, where recomputing the
+    request after the crash rounds differently than decoding it did, so only
+    what was streamed before the crash is compared; in fp32 the whole stream is
+    identical: test_worker_recovery.py.)"""
     undisturbed = stream_token_ids(FRONTEND_IP, grpc_port)
-    streamed_before_crash = []
+    killed = []
 
     def kill_worker(i: int) -> None:
         if i == 4:
-            streamed_before_crash.append(i + 1)
-            engine1.processes["worker"].send_signal(signal.SIGKILL)
-            engine1.processes["worker"].wait()
-            restart_container(engine1, "worker")
+            killed.append(pod.processes["worker"].pid)
+            pod.processes["worker"].send_signal(signal.SIGKILL)
+            pod.processes["worker"].wait()
+            restart_container(pod, "worker")
     resumed = stream_token_ids(FRONTEND_IP, grpc_port, kill_worker)
-    assert streamed_before_crash and len(resumed) == len(undisturbed) == 24
-    assert resumed[:5] == undisturbed[:5]
-    wait_ready(engine1, timeout_s=120)  # the worker is ready again once reloaded
-    assert wait_all_blocks_free_at(second).num_used_kv_blocks == 0
+    assert killed and pod.processes["worker"].pid != killed[0]
+    assert len(resumed) == len(undisturbed) == 24 and resumed[:5] == undisturbed[:5]
+    wait_ready(pod, timeout_s=120)  # the worker is ready again once reloaded
 
-    # The OTEL_* variables: one trace across the three containers, each named by its pod.
+
+def check_trace(otlp, request_id: str) -> None:
+    """The OTEL_* variables: one trace across the three containers, each named by its pod."""
     deadline = time.monotonic() + 30
-    while not (spans := otlp.find_spans("frontend.request", **{"gen_ai.request.id": "k8s-first"})):
+    while not (spans := otlp.find_spans("frontend.request", **{"gen_ai.request.id": request_id})):
         assert time.monotonic() < deadline, "no trace from the frontend"
         time.sleep(0.2)
     trace = otlp.spans_of_trace(spans[0].trace_id)
