@@ -15,21 +15,22 @@
 
 namespace {
 
+// Every kernel works a row at a time in fp32 scratch (vector_math.h: widen,
+// narrow, round_to), so the bf16/fp16 conversions run 16 at a time.
+
+// v (a row, exactly representable in T) -> out = rms_norm(v) * w; v is clobbered.
 template <typename scalar_t>
-inline void rms_norm_row(const scalar_t* x, const scalar_t* weight, int64_t n, double eps,
-                         scalar_t* out) {
+inline void rms_norm_row(float* v, const float* w, int64_t n, double eps, scalar_t* out) {
   float sum_sq = 0.f;
 #pragma omp simd reduction(+ : sum_sq)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    sum_sq += v * v;
-  }
+  for (int64_t i = 0; i < n; ++i) sum_sq += v[i] * v[i];
   const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + static_cast<float>(eps));
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float normed = static_cast<float>(static_cast<scalar_t>(static_cast<float>(x[i]) * inv));
-    out[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * normed);
-  }
+  for (int64_t i = 0; i < n; ++i) v[i] *= inv;
+  llmserve::round_to<scalar_t>(v, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) v[i] *= w[i];
+  llmserve::narrow(v, out, n);
 }
 
 template <typename scalar_t>
@@ -41,7 +42,13 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double e
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     llmserve::FlushDenormals flush;
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, n, eps, op + r * n);
+    float* v = llmserve::scratch(0, n);
+    float* w = llmserve::scratch(1, n);
+    llmserve::widen(wp, w, n);
+    for (int64_t r = begin; r < end; ++r) {
+      llmserve::widen(xp + r * n, v, n);
+      rms_norm_row(v, w, n, eps, op + r * n);
+    }
   });
 }
 
@@ -55,30 +62,42 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
   const scalar_t* wp = weight.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     llmserve::FlushDenormals flush;
+    float* v = llmserve::scratch(0, n);
+    float* w = llmserve::scratch(1, n);
+    float* add = llmserve::scratch(2, n);
+    llmserve::widen(wp, w, n);
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* xr = xp + r * n;
       scalar_t* rr = rp + r * n;
+      llmserve::widen(rr, v, n);
+      llmserve::widen(xr, add, n);
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i)
-        rr[i] = static_cast<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
-      rms_norm_row(rr, wp, n, eps, xr);
+      for (int64_t i = 0; i < n; ++i) v[i] += add[i];
+      llmserve::round_to<scalar_t>(v, n);
+      llmserve::narrow(v, rr, n);
+      rms_norm_row(v, w, n, eps, xr);
     }
   });
 }
 
 // Rotates each head's two halves by its token's angle: x1' = x1 cos - x2 sin,
-// x2' = x2 cos + x1 sin (the "rotate half" form transformers uses).
+// x2' = x2 cos + x1 sin (the "rotate half" form transformers uses). s: scratch
+// for the head (2 * half floats).
 template <typename scalar_t>
-inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half) {
+inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half,
+                        float* s) {
+  llmserve::widen(x, s, 2 * half);
+  float* x1 = s;
+  float* x2 = s + half;
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
-    const float c = cos[i], s = sin[i];
+    const float a1 = x1[i], a2 = x2[i], c = cos[i], sn = sin[i];
     // Two products then a sum, each rounded, as torch's x * cos + rotate_half(x) * sin.
-    const float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
-    x[i] = static_cast<scalar_t>(a - b);
-    x[i + half] = static_cast<scalar_t>(e + f);
+    const float a = a1 * c, b = a2 * sn, e = a2 * c, f = a1 * sn;
+    x1[i] = a - b;
+    x2[i] = e + f;
   }
+  llmserve::narrow(s, x, 2 * half);
 }
 
 template <typename scalar_t>
@@ -92,11 +111,12 @@ void rotary_impl(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positi
   const float* table = cos_sin.data_ptr<float>();  // [max_positions, 2, half]
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     llmserve::FlushDenormals flush;
+    float* s = llmserve::scratch(0, D);
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = table + pos[t] * 2 * half;
       const float* sin = cos + half;
-      for (int64_t h = 0; h < H; ++h) rotate_head(qp + t * q_stride + h * D, cos, sin, half);
-      for (int64_t h = 0; h < KV; ++h) rotate_head(kp + t * k_stride + h * D, cos, sin, half);
+      for (int64_t h = 0; h < H; ++h) rotate_head(qp + t * q_stride + h * D, cos, sin, half, s);
+      for (int64_t h = 0; h < KV; ++h) rotate_head(kp + t * k_stride + h * D, cos, sin, half, s);
     }
   });
 }
@@ -108,18 +128,18 @@ void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     llmserve::FlushDenormals flush;
+    float* g = llmserve::scratch(0, n);
+    float* u = llmserve::scratch(1, n);
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* gate = in + r * 2 * n;
-      const scalar_t* up = gate + n;
-      scalar_t* o = op + r * n;
+      llmserve::widen(in + r * 2 * n, g, n);
+      llmserve::widen(in + r * 2 * n + n, u, n);
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        // Rounded to the model dtype before the product, as F.silu(gate) * up is.
-        const float silu =
-            static_cast<float>(static_cast<scalar_t>(g / (1.f + llmserve::fast_exp(-g))));
-        o[i] = static_cast<scalar_t>(silu * static_cast<float>(up[i]));
-      }
+      for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + llmserve::fast_exp(-g[i]));
+      // Rounded to the model dtype before the product, as F.silu(gate) * up is.
+      llmserve::round_to<scalar_t>(g, n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) g[i] *= u[i];
+      llmserve::narrow(g, op + r * n, n);
     }
   });
 }

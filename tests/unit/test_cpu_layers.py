@@ -15,20 +15,26 @@ def close(got, want, dtype):
                                atol=TOLERANCE[dtype])
 
 
+# 576: whole vectors of 16; 100: a tail the kernels finish element by element.
+WIDTHS = [576, 100]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm(dtype):
+def test_rms_norm(dtype, width):
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
-    weight = (1 + torch.randn(576, generator=gen) * 0.2).to(dtype)
+    x = (torch.randn(37, width, generator=gen) * 3).to(dtype)
+    weight = (1 + torch.randn(width, generator=gen) * 0.2).to(dtype)
     close(L.rms_norm(x, weight, 1e-5), L.rms_norm_reference(x, weight, 1e-5), dtype)
 
 
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_add_rms_norm(dtype):
+def test_fused_add_rms_norm(dtype, width):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(19, 576, generator=gen).to(dtype)
-    residual = torch.randn(19, 576, generator=gen).to(dtype)
-    weight = (1 + torch.randn(576, generator=gen) * 0.2).to(dtype)
+    x = torch.randn(19, width, generator=gen).to(dtype)
+    residual = torch.randn(19, width, generator=gen).to(dtype)
+    weight = (1 + torch.randn(width, generator=gen) * 0.2).to(dtype)
     x2, residual2 = x.clone(), residual.clone()
     L.fused_add_rms_norm(x, residual, weight, 1e-6)
     L.fused_add_rms_norm_reference(x2, residual2, weight, 1e-6)
@@ -36,10 +42,11 @@ def test_fused_add_rms_norm(dtype):
     close(x, x2, dtype)
 
 
+@pytest.mark.parametrize("d", [64, 40])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_on_views_of_a_packed_projection(dtype):
+def test_rotary_embedding_on_views_of_a_packed_projection(dtype, d):
     gen = torch.Generator().manual_seed(2)
-    heads, kv_heads, d, max_pos = 9, 3, 64, 300
+    heads, kv_heads, max_pos = 9, 3, 300
     qkv = torch.randn(23, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     angles = torch.arange(max_pos)[:, None] * torch.rand(d // 2, generator=gen)[None, :]
     cos_sin = torch.stack((angles.cos(), angles.sin()), dim=1)  # [max_pos, 2, d / 2]
@@ -56,10 +63,11 @@ def test_rotary_embedding_on_views_of_a_packed_projection(dtype):
     assert torch.equal(qkv[:, -kv_heads * d:], expected[:, -kv_heads * d:])  # v untouched
 
 
+@pytest.mark.parametrize("width", [1536, 100])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
+def test_silu_and_mul(dtype, width):
     gen = torch.Generator().manual_seed(3)
-    gate_up = (torch.randn(41, 2 * 1536, generator=gen) * 4).to(dtype)
+    gate_up = (torch.randn(41, 2 * width, generator=gen) * 4).to(dtype)
     close(L.silu_and_mul(gate_up), L.silu_and_mul_reference(gate_up), dtype)
 
 
