@@ -62,15 +62,16 @@ class EngineRouter(EngineClient):
     async def start(self, timeout_s: float) -> None:
         """Waits until the addresses name at least one engine core and each answers
         once; then keeps polling their load and, for a DNS name, resolving it."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         await self._refresh()
         while not self.replicas:
-            if asyncio.get_running_loop().time() > deadline:
+            if loop.time() > deadline:
                 raise Unavailable(f"{self.addresses} names no engine core after "
                                   f"{timeout_s:.0f} s")
             await asyncio.sleep(self.poll_interval_s)
             await self._refresh()
-        remaining = max(deadline - asyncio.get_running_loop().time(), 1.0)
+        remaining = max(deadline - loop.time(), 1.0)
         await asyncio.gather(*(r.client.wait_ready(remaining) for r in self.replicas))
         await self._poll_once()
         self._spawn(self._poll_forever())

@@ -3,6 +3,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.launcher import LocalStack
 from services.common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -49,6 +50,13 @@ def address(stack, name: str) -> str:
 
 def engine_stats(stack, name: str = "engine-core"):
     return engine_stats_at(address(stack, name))
+
+
+def health_status(address: str, service: str = "", timeout_s: float = 5.0) -> int:
+    """grpc.health.v1 Check of `service` at a plaintext address."""
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s).status
 
 
 def engine_stats_at(engine_address: str):

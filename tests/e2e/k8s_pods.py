@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
+from tests.e2e.conftest import health_status
 from tests.k8s_render import find
 
 
@@ -133,21 +134,19 @@ def wait_ready(pod: LocalPod, timeout_s: float) -> None:
                 _wait_serving(pod, f"{pod.ip}:{target[0]}", target[1], deadline)
 
 
-def health(address: str, service: str) -> int | None:
-    """The health status, or None when nothing answers."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=1).status
-        except grpc.RpcError:
-            return None
-
-
 def _wait_serving(pod: LocalPod, address: str, service: str, deadline: float) -> None:
-    while health(address, service) != health_pb2.HealthCheckResponse.SERVING:
+    while _status_or_none(address, service) != health_pb2.HealthCheckResponse.SERVING:
         assert pod.alive(), f"a container of {pod.name} exited; see its log"
         assert time.monotonic() < deadline, f"{pod.name}: {address} {service!r} never ready"
         time.sleep(0.2)
+
+
+def _status_or_none(address: str, service: str) -> int | None:
+    """The health status, or None while nothing answers there."""
+    try:
+        return health_status(address, service, timeout_s=1.0)
+    except grpc.RpcError:
+        return None
 
 
 def stop_pod(pod: LocalPod, timeout_s: float | None = None) -> dict[str, int]:

@@ -8,11 +8,12 @@ import time
 import grpc
 import pytest
 import requests
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
 from services.common.config import CacheConfig, EngineConfig, ModelConfig
+from tests.e2e.conftest import health_status
 
 pytestmark = pytest.mark.e2e
 
@@ -54,12 +55,6 @@ class Stream(threading.Thread):
             self.started.set()
 
 
-def health(address: str, name: str = "") -> int:
-    with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=name), timeout=5).status
-
-
 def test_frontend_drains_then_exits(model_dir, tmp_path):
     stack = start_stack(model_dir, tmp_path, drain_timeout_s=60)
     try:
@@ -69,7 +64,7 @@ def test_frontend_drains_then_exits(model_dir, tmp_path):
         assert stream.started.wait(60) and stream.error is None
         frontend.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        assert health(frontend.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health_status(frontend.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         with Client(frontend.address) as client, pytest.raises(grpc.RpcError) as refused:
             list(client.generate(prompt="Hi", max_tokens=2))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -95,7 +90,7 @@ def test_engine_core_drain_timeout_cuts_what_is_left(model_dir, tmp_path):
         start = time.monotonic()
         engine.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        assert health(engine.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health_status(engine.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert engine.process.wait(timeout=30) == 0
         assert time.monotonic() - start < 15  # 1 s of drain, then a prompt stop
         stream.join(30)

@@ -4,11 +4,11 @@ wire. Each ends OK or with a client-error status (never UNKNOWN or INTERNAL),
 and afterwards the server is healthy and holds no KV block."""
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.common.pb import common_pb2, inference_pb2
-from tests.e2e.conftest import address, wait_all_blocks_free
+from tests.e2e.conftest import address, health_status, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 
@@ -119,9 +119,6 @@ def test_random_requests_end_ok_or_with_a_client_error(generate, wire):
 
 
 def test_the_server_is_healthy_and_holds_no_kv_block_afterwards(stack):
-    with grpc.insecure_channel(address(stack, "frontend")) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=5).status
-    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(address(stack, "frontend")) == health_pb2.HealthCheckResponse.SERVING
     stats = wait_all_blocks_free(stack, timeout_s=30)
     assert stats.num_waiting == 0

@@ -14,14 +14,20 @@ KUBERNETES_VERSION = "1.33.0"
 SERVICES = {"frontend": frontend_main, "engine-core": engine_core_main, "worker": worker_main}
 
 
+@pytest.fixture(scope="module")
+def tls_objects(tmp_path_factory):
+    """The CPU deployment with the TLS component."""
+    return render_with_components(tmp_path_factory.mktemp("tls"), K8S_DIR / "overlays" / "cpu",
+                                  [K8S_DIR / "components" / "tls"])
+
+
 @pytest.fixture(scope="module", params=["cpu", "gpu", "cpu+tls"])
-def objects(request, tmp_path_factory):
+def objects(request):
     if request.param == "cpu":
         return render(K8S_DIR)
     if request.param == "gpu":
         return render(K8S_DIR / "overlays" / "gpu")
-    return render_with_components(tmp_path_factory.mktemp("tls"), K8S_DIR / "overlays" / "cpu",
-                                  [K8S_DIR / "components" / "tls"])
+    return request.getfixturevalue("tls_objects")
 
 
 def containers(objects):
@@ -112,10 +118,8 @@ def test_selectors_and_references_resolve(objects):
             assert find(objects, "ConfigMap", source["configMapRef"]["name"])
 
 
-def test_tls_reaches_every_service_and_the_probes_stay_plaintext(tmp_path):
-    objects = render_with_components(tmp_path, K8S_DIR / "overlays" / "cpu",
-                                     [K8S_DIR / "components" / "tls"])
-    for _, template, container in containers(objects):
+def test_tls_reaches_every_service_and_the_probes_stay_plaintext(tls_objects):
+    for _, template, container in containers(tls_objects):
         args = parsed_args(container)
         assert args.tls_cert and args.tls_key and args.tls_ca
         mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
