@@ -1,7 +1,6 @@
 """Starts the three services (worker, engine core, frontend) as local processes."""
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -14,23 +13,15 @@ from pathlib import Path
 
 from services.common.auth import API_KEY_ENV
 from services.common.config import EngineConfig, engine_args_to_argv
+from services.common.launcher_link import LAUNCHER_PID_ENV
 from services.common.tls import TlsConfig, tls_to_argv
 from services.worker.cpu_cores import format_cores, split_cores
-
-_PR_SET_PDEATHSIG = 1
-
 
 def free_port(host: str) -> int:
     """A port nothing listens on now (the HTTP server binds it a moment later)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel sends it SIGTERM if we die, so no
-    service outlives the launcher, even one killed with SIGKILL."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -182,13 +173,13 @@ class LocalStack:
         process = subprocess.Popen(
             [sys.executable, "-m", *module_args, "--port", str(port), "--port-file", str(port_file)],
             stdout=out, stderr=subprocess.STDOUT if out else None,
-            env=self._environment(), preexec_fn=_die_with_parent)
+            env=self._environment())
         if out:
             out.close()
         return ServiceProcess(name, process, log_path, module_args=module_args)
 
     def _environment(self) -> dict[str, str]:
-        env = {**os.environ, **(self.env or {})}
+        env = {**os.environ, **(self.env or {}), LAUNCHER_PID_ENV: str(os.getpid())}
         if self.api_key:  # read by the frontend; not on its command line, for `ps` to show
             env[API_KEY_ENV] = self.api_key
         return env

@@ -17,6 +17,7 @@ from services.common import metrics, tracing
 from services.common.auth import ApiKeyInterceptor
 from services.common.errors import ErrorMappingInterceptor
 from services.common.grpc_options import SERVER_OPTIONS
+from services.common.launcher_link import die_with_launcher
 from services.common.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -163,13 +164,19 @@ def _write_atomically(path: str, text: str) -> None:
 def run_service(log_name: str, default_otel_name: str,
                 serve: Callable[[], Awaitable[None]]) -> None:
     """A service's main(): logging, tracing, the asyncio server until it stops."""
-    setup_logging(log_name)
-    tracing.init_tracing(default_otel_name)
+    start_process(log_name, default_otel_name)
     try:
         asyncio.run(serve())
     finally:
         tracing.shutdown_tracing()
         metrics.shutdown_otlp_metrics()
+
+
+def start_process(log_name: str, default_otel_name: str) -> None:
+    """What every service process does first."""
+    die_with_launcher()
+    setup_logging(log_name)
+    tracing.init_tracing(default_otel_name)
 
 
 def setup_logging(service: str) -> None:

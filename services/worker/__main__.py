@@ -9,7 +9,7 @@ import threading
 
 from services.common import metrics, tracing
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.server import ServiceServer, add_health_port_arg, setup_logging
+from services.common.server import ServiceServer, add_health_port_arg, start_process
 from services.common.tls import add_tls_args, tls_from_args
 from services.worker.cpu_cores import parse_cores, pin_to_cores
 from services.worker.main_thread import MainThreadRunner
@@ -64,8 +64,7 @@ def _metrics(args: argparse.Namespace, worker: Worker) -> WorkerMetrics | None:
 def main(argv=None) -> None:
     """The gRPC server runs on a background thread; the model on the main thread."""
     args = parse_args(argv)
-    setup_logging(f"worker{args.rank}")
-    tracing.init_tracing("llmserve-worker")
+    start_process(f"worker{args.rank}", "llmserve-worker")
     if args.cpu_cores is not None:
         pin_to_cores(args.cpu_cores)
     runner = MainThreadRunner()
