@@ -83,6 +83,8 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
     p.add_argument("--skip-observability", action="store_true",
                    help="no served run with tracing and metrics on against off")
+    p.add_argument("--skip-structured-outputs", action="store_true",
+                   help="no offline batch with structured-outputs requests against without")
     p.add_argument("--soak", dest="soak_minutes", type=float, default=d.soak_minutes,
                    metavar="MINUTES", help="run only the soak: this long at concurrency 64, "
                    "30%% of requests cancelled; reports memory, leaked KV blocks, failures")

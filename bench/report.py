@@ -145,6 +145,7 @@ def _phases(results: dict) -> list[str]:
 
 def to_markdown(results: dict) -> str:
     from bench.observability import observability_section
+    from bench.structured_outputs import structured_outputs_section
     from bench.soak import soak_section
     from bench.report_modes import dtype_sections, modes_section
     from bench.report_sections import floor_section, serving_section, vllm_section
@@ -158,7 +159,8 @@ def to_markdown(results: dict) -> str:
         lines += _single(results)
     if results.get("serving"):
         lines += serving_section(results)
-    lines += observability_section(results) + soak_section(results)
+    lines += observability_section(results) + structured_outputs_section(results)
+    lines += soak_section(results)
     if not results["settings"].get("soak_minutes"):  # a soak alone compares with nothing
         lines += vllm_section(results)
     lines += floor_section(results)

@@ -170,6 +170,11 @@ def run(s: Settings, command: str) -> dict:
         from bench.observability import run_observability
 
         run_observability(s, model_dir, phases, results)
+    if not (s.skip_offline or s.skip_structured_outputs or s.soak_minutes):
+        from bench.structured_outputs import run_structured_outputs
+
+        run_structured_outputs(s, model_dir, phases, results)
+        gc.collect()
     for dtype in [] if s.soak_minutes else s.extra_dtypes:
         run_extra_dtype(s, model_dir, phases, results, dtype)
     if not (s.skip_modes or s.soak_minutes):

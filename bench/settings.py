@@ -50,6 +50,9 @@ class Settings:
     skip_serving: bool = False
     # Served throughput with tracing and metrics on against off (bench/observability.py).
     skip_observability: bool = False
+    # Offline throughput of a batch with some requests held to a JSON schema
+    # against the same batch unconstrained (bench/structured_outputs.py).
+    skip_structured_outputs: bool = False
     # > 0: run only the soak (bench/soak.py), this many minutes.
     soak_minutes: float = 0.0
     skip_baseline: bool = False

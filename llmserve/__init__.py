@@ -5,10 +5,12 @@
     print(outputs[0].outputs[0].text)
 """
 from services.common.sampling_params import OutputKind, RequestOutputKind, SamplingParams
+from services.common.structured_outputs import StructuredOutputsParams
 from llmserve.engine_args import EngineArgs
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutputKind",
            "OutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 
 

@@ -14,7 +14,7 @@ from services.engine_core.engine_core import EngineCore
 from services.engine_core.executor import InprocExecutor
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.processor import Processor
-from services.frontend.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 from services.worker.worker import Worker
 from llmserve.engine_args import EngineArgs
 from llmserve.outputs import RequestOutput, to_request_output

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig
 from services.common.errors import InvalidArgument
 from services.common.pb import common_pb2, engine_core_pb2, inference_pb2, worker_pb2
@@ -10,6 +12,7 @@ from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats, FinishReason, LoadedModel, Logprobs)
 from services.common.sampling_params import OutputKind, SamplingParams
+from services.common.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:  # the frontend's types; convert is imported by every service
     from services.frontend.choice import ChoiceOutput
@@ -20,12 +23,40 @@ from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutp
 # ---- sampling params -------------------------------------------------------------
 
 # Fields whose proto form is not a scalar: (from proto, to proto).
+def structured_outputs_from_proto(pb: common_pb2.SamplingParams) -> StructuredOutputsParams | None:
+    if not pb.HasField("structured_outputs"):
+        return None
+    constraint = pb.structured_outputs
+    kind = constraint.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidArgument("sampling_params.structured_outputs",
+                              "set one of json, regex, choice, grammar and json_object")
+    value = list(constraint.choice.choices) if kind == "choice" else getattr(constraint, kind)
+    return StructuredOutputsParams(**{kind: value},
+                                   disable_any_whitespace=constraint.disable_any_whitespace)
+
+
+def structured_outputs_to_proto(params: StructuredOutputsParams | None):
+    if params is None:
+        return None
+    kind = params.kind
+    if kind == "choice":
+        value = common_pb2.Choices(choices=params.choice)
+    else:
+        value = params.json_text if kind == "json" else getattr(params, kind)
+    return common_pb2.StructuredOutputs(**{kind: value},
+                                        disable_any_whitespace=params.disable_any_whitespace)
+
+
 _SAMPLING_COLLECTIONS = {
     "stop_token_ids": (list, list), "stop": (list, list), "allowed_token_ids": (list, list),
     "bad_words": (list, list), "logit_bias": (dict, dict),
     "bad_words_token_ids": (lambda pb: [list(s.token_ids) for s in pb],
                             lambda seqs: [common_pb2.TokenSequence(token_ids=s) for s in seqs]),
 }
+# Read from the whole message (a oneof needs its parent to tell set from unset).
+_SAMPLING_MESSAGES = {"structured_outputs": (structured_outputs_from_proto,
+                                             structured_outputs_to_proto)}
 _SAMPLING_FIELDS = [f for f in SamplingParams.__dataclass_fields__]
 
 
@@ -36,6 +67,8 @@ def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
     for name in _SAMPLING_FIELDS:
         if name in _SAMPLING_COLLECTIONS:
             values[name] = _SAMPLING_COLLECTIONS[name][0](getattr(pb, name))
+        elif name in _SAMPLING_MESSAGES:
+            values[name] = _SAMPLING_MESSAGES[name][0](pb)
         elif pb.HasField(name):
             values[name] = getattr(pb, name)
     kind = values.get("output_kind") or OutputKind.DELTA
@@ -51,6 +84,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         value = getattr(params, name)
         if name in _SAMPLING_COLLECTIONS:
             value = _SAMPLING_COLLECTIONS[name][1](value)
+        elif name in _SAMPLING_MESSAGES:
+            value = _SAMPLING_MESSAGES[name][1](value)
         elif name == "output_kind":
             value = int(value)
         if value is not None:
@@ -207,7 +242,8 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             request_id=r.request_id, new_block_ids=r.new_block_ids,
             num_computed_tokens=r.num_computed_tokens) for r in so.cached_requests],
         num_scheduled_tokens=so.num_scheduled_tokens,
-        finished_request_ids=so.finished_request_ids)
+        finished_request_ids=so.finished_request_ids,
+        grammar_bitmasks={r: m.astype("<i4").tobytes() for r, m in so.grammar_bitmasks.items()})
 
 
 def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutput:
@@ -222,7 +258,9 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
             request_id=r.request_id, new_block_ids=list(r.new_block_ids),
             num_computed_tokens=r.num_computed_tokens) for r in pb.cached_requests],
         num_scheduled_tokens=dict(pb.num_scheduled_tokens),
-        finished_request_ids=list(pb.finished_request_ids))
+        finished_request_ids=list(pb.finished_request_ids),
+        grammar_bitmasks={r: np.frombuffer(m, dtype="<i4").astype(np.int32)
+                          for r, m in pb.grammar_bitmasks.items()})
 
 
 def model_runner_output_to_proto(o: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:

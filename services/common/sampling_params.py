@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
+from services.common.structured_outputs import StructuredOutputsParams
 
 # Bounds on what one request may ask for (documented in protos/inference.proto):
 # each keeps the per-request work, and what one request can hold, small.
@@ -65,6 +66,8 @@ class SamplingParams:
     # banned wherever the output so far ends with the ones before it. The
     # frontend adds the tokenizations of bad_words.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # A constraint the output must satisfy (JSON schema, regex, choice, grammar).
+    structured_outputs: StructuredOutputsParams | None = None
     # Frontend-only: text stops, bad words, detokenization and output shape.
     stop: list[str] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)
@@ -131,6 +134,8 @@ class SamplingParams:
         for name, ok, problem in checks:
             if not ok:
                 raise InvalidArgument(f"sampling_params.{name}", problem)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         id_fields = {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias),
                      "allowed_token_ids": self.allowed_token_ids,
                      "bad_words_token_ids": [t for seq in self.bad_words_token_ids for t in seq]}

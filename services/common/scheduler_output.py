@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from services.common.request_types import Logprobs
 from services.common.sampling_params import SamplingParams
 
@@ -52,6 +54,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Finished or aborted since the last step: workers drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Structured-outputs requests that sample this step: int32 [ceil(vocab / 32)],
+    # bit t set where token t may be sampled.
+    grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from services.common import tracing
 from services.common.config import EngineConfig
@@ -10,8 +11,12 @@ from services.common.errors import InvalidArgument
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats)
 from services.engine_core.executor import Executor
+from services.engine_core.grammar import GrammarCompiler, RequestGrammar
 from services.engine_core.request import Request
 from services.engine_core.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 _tracer = tracing.tracer(__name__)
@@ -32,18 +37,27 @@ class EngineCore:
                                max_model_len=config.model.max_model_len,
                                block_size=config.cache.block_size, num_kv_blocks=num_blocks,
                                dtype=loaded.dtype, vocab_size=loaded.vocab_size)
+        self.grammar_compiler = GrammarCompiler(config.model.model, loaded.vocab_size)
         self.num_steps = 0
         self.num_scheduled_tokens_last_step = 0
         logger.info("engine core ready: %d KV blocks of %d tokens, dtype %s",
                     num_blocks, config.cache.block_size, loaded.dtype)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Queues a request; raises InvalidArgument/AlreadyExists if it cannot be."""
-        request.sampling_params.validate(self.info.vocab_size)
+    def add_request(self, request: EngineCoreRequest,
+                    compiled_grammar: xgrammar.CompiledGrammar | None = None) -> None:
+        """Queues a request; raises InvalidArgument/AlreadyExists if it cannot be.
+        A structured-outputs request's grammar is compiled here unless the caller
+        compiled it already (the engine loop does, off its thread)."""
+        params = request.sampling_params
+        params.validate(self.info.vocab_size)
         if any(not 0 <= t < self.info.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument("prompt_token_ids",
                                   f"ids must be in [0, {self.info.vocab_size})")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        grammar = None
+        if params.structured_outputs is not None:
+            compiled = compiled_grammar or self.grammar_compiler.compile(params.structured_outputs)
+            grammar = RequestGrammar(compiled, request.eos_token_ids, request.output_token_ids)
+        self.scheduler.add_request(Request.from_engine_core_request(request, grammar))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)

@@ -42,6 +42,8 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _OutputStream] = {}  # touched by the loop thread only
         self._stopped = False
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="grammar-compiler")
         self.draining = False  # shutting down: new requests are refused
         self._thread = threading.Thread(target=self._run, name="engine-core-loop", daemon=True)
         self._thread.start()
@@ -53,7 +55,8 @@ class EngineLoop:
         if self.draining:
             raise Unavailable("this engine core is shutting down; send the request to another")
         stream = _OutputStream(asyncio.get_running_loop(), asyncio.Queue())
-        await self._call(lambda: self._add(request, stream))
+        grammar = await self._compile_grammar(request)
+        await self._call(lambda: self._add(request, stream, grammar))
         finished = False
         try:
             while not finished:
@@ -65,6 +68,15 @@ class EngineLoop:
         finally:
             if not finished:
                 self._inbox.put(lambda: self._abort([request.request_id]))
+
+    async def _compile_grammar(self, request: EngineCoreRequest):
+        """A structured-outputs request's grammar, compiled on a thread of its own
+        so that a slow compile never holds up the other requests' steps."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, self.core.grammar_compiler.compile, constraint)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._call(lambda: self._abort(request_ids))
@@ -88,6 +100,7 @@ class EngineLoop:
         self._stopped = True  # also ends a wait for workers to recover
         self._inbox.put(self._stop)
         self._thread.join(timeout=30)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.core.shutdown()
 
     async def _call(self, fn: Callable[[], object]) -> object:
@@ -98,8 +111,8 @@ class EngineLoop:
 
     # ---- loop thread -------------------------------------------------------------
 
-    def _add(self, request: EngineCoreRequest, stream: _OutputStream) -> None:
-        self.core.add_request(request)
+    def _add(self, request: EngineCoreRequest, stream: _OutputStream, grammar) -> None:
+        self.core.add_request(request, grammar)
         self._streams[request.request_id] = stream
 
     def _abort(self, request_ids: list[str]) -> None:

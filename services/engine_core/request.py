@@ -4,9 +4,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine_core.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -43,13 +47,16 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # What happened to it and when (its phase spans and metrics).
     events: list[RequestEvent] = field(default_factory=list)
+    # Its structured-outputs constraint, following output_token_ids; None: unconstrained.
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @classmethod
-    def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
-        return cls(request_id=request.request_id,
+    def from_engine_core_request(cls, request: EngineCoreRequest,
+                                 grammar: RequestGrammar | None = None) -> "Request":
+        return cls(request_id=request.request_id, grammar=grammar,
                    prompt_token_ids=list(request.prompt_token_ids),
                    sampling_params=request.sampling_params,
                    eos_token_ids=frozenset(request.eos_token_ids),
@@ -79,11 +86,15 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:  # it follows output_token_ids, always
+            self.grammar.accept(token_id)
 
     def stop_reason_after_last_token(self, max_model_len: int) -> FinishReason | None:
         """The finish reason the newest output token triggers, if any."""
         token = self.output_token_ids[-1]
         params = self.sampling_params
+        if self.grammar is not None and self.grammar.is_done:
+            return FinishReason.STOP
         # NOTE: the sampler masks EOS and stop ids until min_tokens is reached.
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP

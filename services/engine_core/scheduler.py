@@ -118,6 +118,9 @@ class Scheduler:
             if num_new > 1 or request.num_computed_tokens != request.num_tokens - 1:
                 request.record(Event.PREFILL_CHUNK, num_new)  # not a decode
             request.num_computed_tokens += num_new
+            if request.grammar is not None and request.num_computed_tokens == request.num_tokens:
+                # It samples this step: the tokens its grammar allows next.
+                output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
         return output
 
     def _prefill_cap(self) -> int | None:

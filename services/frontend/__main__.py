@@ -21,7 +21,7 @@ from services.frontend.openai_api.http_server import HttpServer
 from services.frontend.router import EngineRouter
 from services.frontend.processor import Processor
 from services.frontend.servicer import InferenceServicer
-from services.frontend.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 

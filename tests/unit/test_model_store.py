@@ -10,7 +10,7 @@ import pytest
 from transformers import LlamaConfig
 
 from services.common import model_store
-from services.frontend.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 from tests.integration.tiny_gguf import write_gguf
 from tests.integration.tiny_models import TINY, tiny_hf_model
 

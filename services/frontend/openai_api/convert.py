@@ -5,6 +5,7 @@ from __future__ import annotations
 from services.common.errors import InvalidArgument
 from services.common.request_types import Logprobs
 from services.common.sampling_params import OutputKind, SamplingParams
+from services.common.structured_outputs import StructuredOutputsParams
 from services.frontend.async_llm import PromptInput
 from services.frontend.choice import ChoiceOutput
 from services.frontend.openai_api import protocol as P
@@ -26,9 +27,31 @@ def sampling_params(request: P.SamplingFields, max_tokens: int | None,
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         stop_token_ids=request.stop_token_ids, allowed_token_ids=request.allowed_token_ids,
-        bad_words=request.bad_words,
+        bad_words=request.bad_words, structured_outputs=_structured_outputs(request),
         output_kind=OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY,
         **{k: v for k, v in optional.items() if v is not None})
+
+
+def _structured_outputs(request: P.SamplingFields) -> StructuredOutputsParams | None:
+    """From vLLM's `structured_outputs`, or OpenAI's `response_format`."""
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        constraint = request.structured_outputs
+        return None if constraint is None else StructuredOutputsParams(
+            json=constraint.json_schema, regex=constraint.regex, choice=constraint.choice,
+            grammar=constraint.grammar, json_object=constraint.json_object,
+            disable_any_whitespace=constraint.disable_any_whitespace)
+    if request.structured_outputs is not None:
+        raise InvalidArgument("response_format", "set response_format or structured_outputs, "
+                              "not both")
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.json_schema is None:
+        raise InvalidArgument("response_format.json_schema",
+                              "is required when type is json_schema")
+    schema = response_format.json_schema.json_schema
+    return StructuredOutputsParams(json=schema) if schema is not None \
+        else StructuredOutputsParams(json_object=True)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -23,6 +23,35 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs`: exactly one constraint the output satisfies."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict | str | None = Field(None, alias="json",
+                                           description="a JSON schema the output is valid in")
+    regex: str | None = Field(None, description="a regular expression the output matches")
+    choice: list[str] | None = Field(None, description="the output is one of these")
+    grammar: str | None = Field(None, description="an EBNF grammar (root rule `root`)")
+    json_object: bool = Field(False, description="the output is a JSON object")
+    disable_any_whitespace: bool = False
+
+
+class JsonSchemaFormat(Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema",
+                                     description="absent: any JSON object")
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    """OpenAI's: `text`, `json_object`, or `json_schema` with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(Request):
     """The sampling fields completions and chat completions share."""
 
@@ -50,6 +79,8 @@ class SamplingFields(Request):
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -1,0 +1,130 @@
+"""Structured outputs in the engine core, on xgrammar (as in vLLM): the compiler
+that turns a request's constraint into a grammar, and each request's matcher,
+which follows its output token by token and says which tokens may come next.
+
+xgrammar is imported on first use, so unconstrained serving never pays for it."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.model_store import resolve_model
+from services.common.structured_outputs import (FIELD, MAX_JSON_WHITESPACE,
+                                                StructuredOutputsParams)
+
+if TYPE_CHECKING:
+    import xgrammar
+
+logger = logging.getLogger(__name__)
+# Compiled grammars xgrammar keeps for reuse (a JSON schema's is tens of KB).
+GRAMMAR_CACHE_BYTES = 256 << 20
+# xgrammar's messages start with "[time] /path/file.cc:123: " and may hold a
+# failed check's condition; the rest is what a person can act on.
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams with xgrammar's compiler and its cache.
+    Thread-safe: the engine loop compiles on a thread of its own."""
+
+    def __init__(self, model: str, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._compiler: xgrammar.GrammarCompiler | None = None
+
+    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """Raises InvalidArgument naming the constraint when it does not compile."""
+        params.validate()
+        compiler = self._xgrammar_compiler()
+        kind = params.kind
+        try:
+            if kind in ("json", "json_object"):  # json_object: OpenAI's, always an object
+                whitespace = ({"any_whitespace": False} if params.disable_any_whitespace else
+                              {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE})
+                return compiler.compile_json_schema(params.json_text or '{"type": "object"}',
+                                                    **whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice))
+            return compiler.compile_grammar(params.grammar)
+        except (RuntimeError, ValueError) as e:  # how xgrammar reports parse errors
+            raise InvalidArgument(f"{FIELD}.{kind}", _SOURCE_PREFIX.sub("", str(e)).strip()) \
+                from None
+
+    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
+        """Built on first use: it needs the model's tokenizer, which a model
+        directory serving only unconstrained requests may lack."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+            return self._compiler
+
+    def _build_compiler(self) -> xgrammar.GrammarCompiler:
+        import xgrammar
+
+        from services.common.tokenizer import load_tokenizer  # transformers: on first use too
+        try:
+            tokenizer, _ = load_tokenizer(resolve_model(self.model))
+        except (OSError, ValueError) as e:
+            raise FailedPrecondition(f"structured outputs need the model's tokenizer, which "
+                                     f"{self.model} does not have: {e}") from None
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+        logger.info("grammar compiler ready for %s (%d tokens)", self.model, self.vocab_size)
+        return xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
+                                        cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly the given strings (JSON string
+    literals are also EBNF ones: the same quotes and escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class RequestGrammar:
+    """One request's place in its grammar: which tokens may come next, advanced
+    with each token the request accepts."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, stop_token_ids: list[int],
+                 output_token_ids: list[int]):
+        import xgrammar
+        # The request's own EOS ids end the grammar (the tokenizer's may differ).
+        self._matcher = xgrammar.GrammarMatcher(compiled,
+                                                override_stop_tokens=stop_token_ids or None)
+        self._bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        self.violated = False
+        # Tokens generated before the request moved here (from an engine core
+        # that died): the grammar goes on after them.
+        for token_id in output_token_ids:
+            if not self.accept(token_id):
+                raise InvalidArgument("output_token_ids", "do not follow the request's "
+                                      "structured_outputs constraint")
+
+    def accept(self, token_id: int) -> bool:
+        """False (and the request should stop) if the grammar forbids the token,
+        which the bitmask prevents unless other sampling options (min_tokens,
+        allowed_token_ids, bad words) left no token it allows."""
+        if not self._matcher.accept_token(token_id):
+            logger.warning("token %d broke a request's structured-outputs constraint (its "
+                           "other sampling options left no token the grammar allows): the "
+                           "request stops", token_id)
+            self.violated = True
+        return not self.violated
+
+    @property
+    def is_done(self) -> bool:
+        """The output is complete (a stop token was accepted), or went astray."""
+        return self.violated or self._matcher.is_terminated()
+
+    def next_token_bitmask(self) -> np.ndarray:
+        """int32 [ceil(vocab / 32)]: bit t set where token t may come next."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask[0].numpy().copy()
