@@ -5,11 +5,13 @@
     print(outputs[0].outputs[0].text)
 """
 from services.common.sampling_params import OutputKind, RequestOutputKind, SamplingParams
+from services.common.lora import LoRARequest
 from services.common.structured_outputs import StructuredOutputsParams
 from llmserve.engine_args import EngineArgs
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams",
+           "LoRARequest",
            "RequestOutputKind",
            "OutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 

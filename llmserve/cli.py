@@ -28,6 +28,8 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus metrics: the frontend on this port, engine core i on "
                              "+1+i, then the workers (0: none)")
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters to serve from the start (with --enable-lora)")
     add_drain_arg(parser)
     add_tls_args(parser)
     add_api_key_arg(parser)
@@ -37,7 +39,8 @@ def _serve(argv: list[str]) -> int:
                        engine_replicas=args.engine_replicas, http_port=args.http_port or None,
                        metrics_port=args.metrics_port or None,
                        drain_timeout_s=args.drain_timeout, restart_dead=True,
-                       tls=tls_from_args(args), api_key=args.api_key)
+                       tls=tls_from_args(args), api_key=args.api_key,
+                       lora_modules=args.lora_modules)
     # Explicit handlers: a shell starts background jobs with SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_keyboard_interrupt)

@@ -28,13 +28,13 @@ def build_generate_request(prompt: str | None = None, *, chat: list[dict] | None
                            token_ids: list[int] | None = None,
                            sampling: SamplingParams | None = None,
                            request_id: str | None = None, priority: int = 0,
-                           add_generation_prompt: bool = True,
+                           add_generation_prompt: bool = True, lora_name: str | None = None,
                            **sampling_kwargs) -> inference_pb2.GenerateRequest:
     params = dataclasses.replace(sampling or SamplingParams(output_kind=OutputKind.DELTA),
                                  **sampling_kwargs)
     request = inference_pb2.GenerateRequest(
         sampling_params=convert.sampling_params_to_proto(params), request_id=request_id,
-        priority=priority)
+        priority=priority, lora_name=lora_name)
     if prompt is not None:
         request.prompt = prompt
     if chat is not None:
@@ -96,6 +96,14 @@ class Client:
 
     def model_info(self) -> inference_pb2.ModelInfo:
         return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), metadata=self.metadata)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        self.stub.LoadLoraAdapter(inference_pb2.LoadLoraAdapterRequest(
+            lora_name=lora_name, lora_path=lora_path), metadata=self.metadata)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.stub.UnloadLoraAdapter(inference_pb2.UnloadLoraAdapterRequest(lora_name=lora_name),
+                                    metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig,
-                                    SchedulerConfig)
+from services.common.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, LoRAConfig,
+                                    ModelConfig, SchedulerConfig)
 
 
 @dataclass
@@ -29,6 +29,10 @@ class EngineArgs:
     # "fcfs", or "priority" (lower values first).
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 1024
+    # LoRA adapters (see LoRAConfig).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -44,4 +48,6 @@ class EngineArgs:
                                       max_prefill_tokens_while_decoding=(
                                           self.max_prefill_tokens_while_decoding),
                                       policy=self.scheduling_policy,
-                                      max_waiting_requests=self.max_waiting_requests))
+                                      max_waiting_requests=self.max_waiting_requests),
+            lora=LoRAConfig(enable_lora=self.enable_lora, max_loras=self.max_loras,
+                            max_lora_rank=self.max_lora_rank))

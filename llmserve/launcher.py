@@ -63,6 +63,8 @@ class LocalStack:
     # TLS on every hop (mutual with a CA), and the public API's key.
     tls: TlsConfig = field(default_factory=TlsConfig)
     api_key: str = ""
+    # LoRA adapters the frontend loads at start, as NAME=PATH.
+    lora_modules: list[str] = field(default_factory=list)
     services: list[ServiceProcess] = field(default_factory=list)
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -76,7 +78,8 @@ class LocalStack:
                 "--engine-core-addresses", ",".join(e.address for e in engines),
                 "--model", self.config.model.model, *self._http_flags(),
                 *self._metrics_flags("frontend", 0, self.host),
-                "--drain-timeout", str(self.drain_timeout_s), *tls_to_argv(self.tls)],
+                "--drain-timeout", str(self.drain_timeout_s), *tls_to_argv(self.tls),
+                *(["--lora-modules", *self.lora_modules] if self.lora_modules else [])],
                 self.port, deadline)
         except BaseException:
             self.stop()

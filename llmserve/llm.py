@@ -7,6 +7,7 @@ import itertools
 from tqdm import tqdm
 
 from services.common.config import DEFAULT_MODEL
+from services.common.lora import LoRARequest
 from services.common.sampling_params import OutputKind, SamplingParams
 from llmserve.engine_args import EngineArgs
 from llmserve.llm_engine import LLMEngine
@@ -28,12 +29,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the prompts' order.
-        sampling_params: one for all prompts, or a list with one per prompt."""
+        sampling_params and lora_request: one for all prompts, or a list with one
+        per prompt (LoRA needs LLM(..., enable_lora=True))."""
         if is_single_prompt(prompts):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run(list(prompts), sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -43,12 +47,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run(list(conversations), sampling_params, use_tqdm)
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        params = (sampling_params if isinstance(sampling_params, list)
-                  else [sampling_params or SamplingParams()] * len(prompts))
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = self._add_all(prompts, params)
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool,
+             lora_request=None) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling params")
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        ids = self._add_all(prompts, params, loras)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while self.llm_engine.has_unfinished_requests():
@@ -58,17 +61,27 @@ class LLM:
                         bar.update(1)
         return [finished[i] for i in ids]
 
-    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list, params: list[SamplingParams],
+                 loras: list[LoRARequest | None]) -> list[str]:
         """Queues every prompt, or none if one is refused."""
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, lora in zip(prompts, params, loras):
                 request_id = str(next(self._request_counter))
                 # Only the final outputs are read: skip every intermediate one.
                 self.llm_engine.add_request(
-                    request_id, prompt, dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY))
+                    request_id, prompt, dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY),
+                    lora_request=lora)
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)
             raise
         return ids
+
+
+def _per_prompt(value, num_prompts: int, what: str) -> list:
+    """One for all prompts, or a list with one per prompt."""
+    values = value if isinstance(value, list) else [value] * num_prompts
+    if len(values) != num_prompts:
+        raise ValueError(f"{num_prompts} prompts but {len(values)} {what}")
+    return values

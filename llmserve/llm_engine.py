@@ -8,6 +8,7 @@ from typing import Iterable
 
 from services.common.config import EngineConfig
 from services.common.errors import AlreadyExists
+from services.common.lora import LoRARequest
 from services.common.model_store import resolve_model
 from services.common.sampling_params import SamplingParams
 from services.engine_core.engine_core import EngineCore
@@ -46,7 +47,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Queues a request. Raises InvalidArgument naming a bad field, and adds
         nothing then: with n > 1, either every choice is queued or none."""
         if request_id in self.output_processor.requests:
@@ -54,7 +55,7 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_ids = self.processor.tokenize(**input_kwargs(prompt))
         engine_requests = self.processor.make_requests(request_id, prompt_ids, params, {},
-                                                       priority)
+                                                       priority, lora_request)
         added: list[str] = []
         try:
             for engine_request in engine_requests:

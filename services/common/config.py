@@ -67,11 +67,22 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (vLLM's enable_lora, max_loras, max_lora_rank)."""
+
+    enable_lora: bool = False
+    # Distinct adapters in one step (each takes a slot in every LoRA layer).
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +126,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="priority: lower priority values are served first")
     parser.add_argument("--max-waiting-requests", type=int, default=d_sched.max_waiting_requests,
                         help="refuse new requests (RESOURCE_EXHAUSTED) beyond this many waiting")
+    d_lora = LoRAConfig()
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    parser.add_argument("--max-loras", type=int, default=d_lora.max_loras,
+                        help="distinct LoRA adapters in one step (default: %(default)s)")
+    parser.add_argument("--max-lora-rank", type=int, default=d_lora.max_lora_rank,
+                        help="the highest adapter rank accepted (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -135,12 +152,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   policy=args.policy,
                                   max_waiting_requests=args.max_waiting_requests),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        lora=LoRAConfig(enable_lora=args.enable_lora, max_loras=args.max_loras,
+                        max_lora_rank=args.max_lora_rank),
     )
 
 
 def engine_args_to_argv(config: EngineConfig) -> list[str]:
     """The flags that rebuild `config` in another process."""
-    m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
+    m, c, s, p, lora = config.model, config.cache, config.scheduler, config.parallel, config.lora
     return ["--model", m.model, "--dtype", m.dtype, "--max-model-len", str(m.max_model_len),
             "--seed", str(m.seed), "--attention-backend", m.attention_backend,
             *(["--enforce-eager"] if m.enforce_eager else []),
@@ -154,4 +173,6 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
             "--scheduling-policy", s.policy,
             "--max-waiting-requests", str(s.max_waiting_requests),
             "--tensor-parallel-size", str(p.tensor_parallel_size),
-            *([] if c.enable_prefix_caching else ["--no-prefix-caching"])]
+            *([] if c.enable_prefix_caching else ["--no-prefix-caching"]),
+            *(["--enable-lora"] if lora.enable_lora else []),
+            "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank)]

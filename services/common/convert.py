@@ -5,8 +5,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.common.config import CacheConfig, ModelConfig, ParallelConfig
+from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 from services.common.errors import InvalidArgument
+from services.common.lora import LoRARequest
 from services.common.pb import common_pb2, engine_core_pb2, inference_pb2, worker_pb2
 from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
@@ -144,7 +145,17 @@ def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.Engine
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling_params=sampling_params_to_proto(r.sampling_params),
         eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers, priority=r.priority,
-        queue_slots=r.queue_slots, output_token_ids=r.output_token_ids)
+        queue_slots=r.queue_slots, output_token_ids=r.output_token_ids,
+        lora=lora_to_proto(r.lora_request) if r.lora_request else None)
+
+
+def lora_to_proto(lora: LoRARequest) -> engine_core_pb2.LoRAAdapter:
+    return engine_core_pb2.LoRAAdapter(name=lora.lora_name, id=lora.lora_int_id,
+                                       path=lora.lora_path)
+
+
+def lora_from_proto(pb: engine_core_pb2.LoRAAdapter) -> LoRARequest:
+    return LoRARequest(pb.name, pb.id, pb.path)
 
 
 def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> EngineCoreRequest:
@@ -154,7 +165,9 @@ def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> Eng
                              eos_token_ids=list(pb.eos_token_ids),
                              trace_headers=dict(pb.trace_headers), priority=pb.priority,
                              queue_slots=max(1, pb.queue_slots),
-                             output_token_ids=list(pb.output_token_ids))
+                             output_token_ids=list(pb.output_token_ids),
+                             lora_request=lora_from_proto(pb.lora) if pb.HasField("lora")
+                             else None)
 
 
 def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
@@ -198,8 +211,8 @@ def engine_info_from_proto(pb: engine_core_pb2.EngineInfo) -> EngineInfo:
 
 # ---- worker ------------------------------------------------------------------------
 
-def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig,
-                                parallel: ParallelConfig) -> worker_pb2.LoadModelRequest:
+def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,
+                                lora: LoRAConfig) -> worker_pb2.LoadModelRequest:
     return worker_pb2.LoadModelRequest(
         model_path=model.model, dtype=model.dtype, max_model_len=model.max_model_len,
         block_size=cache.block_size, kv_cache_bytes=cache.kv_cache_bytes, seed=model.seed,
@@ -207,11 +220,12 @@ def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig,
         weight_dtype=model.weight_dtype, kv_cache_dtype=cache.kv_cache_dtype,
         gpu_memory_utilization=cache.gpu_memory_utilization,
         tensor_parallel_size=parallel.tensor_parallel_size,
-        distributed_init_method=parallel.distributed_init_method)
+        distributed_init_method=parallel.distributed_init_method,
+        max_loras=lora.max_loras if lora.enable_lora else 0, max_lora_rank=lora.max_lora_rank)
 
 
-def load_model_request_from_proto(
-        pb: worker_pb2.LoadModelRequest) -> tuple[ModelConfig, CacheConfig, ParallelConfig]:
+def load_model_request_from_proto(pb: worker_pb2.LoadModelRequest
+                                  ) -> tuple[ModelConfig, CacheConfig, ParallelConfig, LoRAConfig]:
     return (ModelConfig(model=pb.model_path, dtype=pb.dtype, max_model_len=pb.max_model_len,
                         seed=pb.seed, attention_backend=pb.attention_backend,
                         enforce_eager=pb.enforce_eager, weight_dtype=pb.weight_dtype),
@@ -219,7 +233,9 @@ def load_model_request_from_proto(
                         gpu_memory_utilization=pb.gpu_memory_utilization,
                         kv_cache_dtype=pb.kv_cache_dtype),
             ParallelConfig(tensor_parallel_size=pb.tensor_parallel_size,
-                           distributed_init_method=pb.distributed_init_method))
+                           distributed_init_method=pb.distributed_init_method),
+            LoRAConfig(enable_lora=pb.max_loras > 0, max_loras=max(pb.max_loras, 1),
+                       max_lora_rank=pb.max_lora_rank))
 
 
 def loaded_model_to_proto(m: LoadedModel) -> worker_pb2.LoadModelResponse:
@@ -237,7 +253,7 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             sampling_params=sampling_params_to_proto(r.sampling_params),
             block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
             trace_headers=r.trace_headers, eos_token_ids=r.eos_token_ids,
-            num_prompt_tokens=r.num_prompt_tokens) for r in so.new_requests],
+            num_prompt_tokens=r.num_prompt_tokens, lora_id=r.lora_id) for r in so.new_requests],
         cached_requests=[worker_pb2.CachedRequestData(
             request_id=r.request_id, new_block_ids=r.new_block_ids,
             num_computed_tokens=r.num_computed_tokens) for r in so.cached_requests],
@@ -253,7 +269,7 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
             sampling_params=sampling_params_from_proto(r.sampling_params),
             block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens,
             trace_headers=dict(r.trace_headers), eos_token_ids=list(r.eos_token_ids),
-            num_prompt_tokens=r.num_prompt_tokens) for r in pb.new_requests],
+            num_prompt_tokens=r.num_prompt_tokens, lora_id=r.lora_id) for r in pb.new_requests],
         cached_requests=[CachedRequestData(
             request_id=r.request_id, new_block_ids=list(r.new_block_ids),
             num_computed_tokens=r.num_computed_tokens) for r in pb.cached_requests],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.common.lora import LoRARequest
 from services.common.request_events import RequestEvent
 from services.common.sampling_params import SamplingParams
 
@@ -50,6 +51,8 @@ class EngineCoreRequest:
     queue_slots: int = 1
     # Tokens already generated on an engine core that died: it goes on after them.
     output_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter to run with (added to the engine core on first use); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -29,6 +29,8 @@ class NewRequestData:
     eos_token_ids: list[int] = field(default_factory=list)
     # How many of token_ids are the prompt (see NOTE above); None: all.
     num_prompt_tokens: int | None = None
+    # The LoRA adapter it runs with (loaded into the workers beforehand); 0: none.
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens is None:

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 from services.common import tracing
 from services.common.config import EngineConfig
 from services.common.errors import InvalidArgument
+from services.common.lora import LoRARequest
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats)
 from services.engine_core.executor import Executor
 from services.engine_core.grammar import GrammarCompiler, RequestGrammar
+from services.engine_core.lora_registry import LoRARegistry
 from services.engine_core.request import Request
 from services.engine_core.scheduler import Scheduler
 
@@ -28,11 +30,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor):
         self.config = config
         self.executor = executor
-        loaded = executor.load_model(config.model, config.cache, config.parallel)
+        loaded = executor.load_model(config.model, config.cache, config.parallel, config.lora)
         num_blocks = executor.determine_num_kv_blocks()
         executor.init_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache,
-                                   config.model.max_model_len, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
+                                   num_blocks, config.lora.max_loras if config.lora.enable_lora
+                                   else 0)
+        self.loras = LoRARegistry(config.lora, executor)
         self.info = EngineInfo(model_path=config.model.model,
                                max_model_len=config.model.max_model_len,
                                block_size=config.cache.block_size, num_kv_blocks=num_blocks,
@@ -53,11 +57,22 @@ class EngineCore:
         if any(not 0 <= t < self.info.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument("prompt_token_ids",
                                   f"ids must be in [0, {self.info.vocab_size})")
+        if request.lora_request is not None:
+            self.loras.add(request.lora_request)
         grammar = None
         if params.structured_outputs is not None:
             compiled = compiled_grammar or self.grammar_compiler.compile(params.structured_outputs)
             grammar = RequestGrammar(compiled, request.eos_token_ids, request.output_token_ids)
         self.scheduler.add_request(Request.from_engine_core_request(request, grammar))
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        self.loras.add(lora)
+
+    def remove_lora(self, name: str) -> None:
+        self.loras.remove(name, {r.lora_id for r in self.scheduler.requests.values()})
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.by_name.values())
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
@@ -98,8 +113,10 @@ class EngineCore:
         each goes on where it was. Raises while the workers are not back."""
         self.scheduler.requeue_all()
         self.executor.reconnect()
-        self.executor.load_model(self.config.model, self.config.cache, self.config.parallel)
+        self.executor.load_model(self.config.model, self.config.cache, self.config.parallel,
+                                 self.config.lora)
         self.executor.init_kv_cache(self.info.num_kv_blocks)
+        self.loras.reload_all()
         logger.info("workers recovered: %d requests resume by recomputation",
                     len(self.scheduler.waiting))
 

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 
 from services.common.errors import FailedPrecondition, LLMServeError, Unavailable
 from services.common.futures import run_into_future
+from services.common.lora import LoRARequest
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.metrics import EngineCoreMetrics
@@ -77,6 +78,12 @@ class EngineLoop:
             return None
         return await asyncio.get_running_loop().run_in_executor(
             self._grammar_pool, self.core.grammar_compiler.compile, constraint)
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        await self._call(lambda: self.core.add_lora(lora))
+
+    async def remove_lora(self, name: str) -> None:
+        await self._call(lambda: self.core.remove_lora(name))
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._call(lambda: self._abort(request_ids))

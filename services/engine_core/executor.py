@@ -5,7 +5,8 @@ import abc
 import grpc
 
 from services.common import convert
-from services.common.config import CacheConfig, ModelConfig, ParallelConfig
+from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
+from services.common.errors import from_rpc_error
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -17,7 +18,14 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
-                   parallel_config: ParallelConfig) -> LoadedModel: ...
+                   parallel_config: ParallelConfig, lora_config: LoRAConfig) -> LoadedModel: ...
+
+    @abc.abstractmethod
+    def add_lora(self, lora_id: int, lora_path: str) -> None:
+        """Every worker reads the adapter; InvalidArgument when it cannot be applied."""
+
+    @abc.abstractmethod
+    def remove_lora(self, lora_id: int) -> None: ...
 
     @abc.abstractmethod
     def determine_num_kv_blocks(self) -> int:
@@ -44,11 +52,20 @@ class InprocExecutor(Executor):
     def __init__(self, workers):
         self.workers = workers
 
-    def load_model(self, model_config, cache_config, parallel_config):
+    def load_model(self, model_config, cache_config, parallel_config, lora_config):
         if parallel_config.tensor_parallel_size != 1 or len(self.workers) != 1:
             raise ValueError("in-process execution runs one worker; tensor parallelism needs "
                              "worker processes (llmserve serve --tensor-parallel-size N)")
-        return self.workers[0].load_model(model_config, cache_config, parallel_config)
+        return self.workers[0].load_model(model_config, cache_config, parallel_config,
+                                          lora_config)
+
+    def add_lora(self, lora_id, lora_path):
+        for w in self.workers:
+            w.add_lora(lora_id, lora_path)
+
+    def remove_lora(self, lora_id):
+        for w in self.workers:
+            w.remove_lora(lora_id)
 
     def determine_num_kv_blocks(self):
         return min(w.determine_num_kv_blocks() for w in self.workers)
@@ -93,14 +110,24 @@ class GrpcExecutor(Executor):
             raise next((e for e in errors if e.code() == grpc.StatusCode.UNAVAILABLE), errors[0])
         return responses
 
-    def load_model(self, model_config, cache_config, parallel_config):
+    def load_model(self, model_config, cache_config, parallel_config, lora_config):
         if parallel_config.tensor_parallel_size != len(self.stubs):
             raise ValueError(f"tensor_parallel_size is {parallel_config.tensor_parallel_size} "
                              f"but {len(self.stubs)} worker addresses were given")
         # Every rank joins the process group inside LoadModel: the calls run concurrently.
         responses = self._call_all("LoadModel", convert.load_model_request_to_proto(
-            model_config, cache_config, parallel_config))
+            model_config, cache_config, parallel_config, lora_config))
         return convert.loaded_model_from_proto(responses[0])
+
+    def add_lora(self, lora_id, lora_path):
+        try:
+            self._call_all("AddLora", worker_pb2.AddLoraRequest(lora_id=lora_id,
+                                                                lora_path=lora_path))
+        except grpc.RpcError as e:  # the worker's reason, to the caller unchanged
+            raise from_rpc_error(e) from None
+
+    def remove_lora(self, lora_id):
+        self._call_all("RemoveLora", worker_pb2.RemoveLoraRequest(lora_id=lora_id))
 
     def determine_num_kv_blocks(self):
         responses = self._call_all("DetermineNumKvBlocks",

@@ -95,7 +95,10 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def _block_hashes(self, request: Request) -> list[bytes]:
-        return hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        # Blocks computed under an adapter hold other KV than the base model's.
+        extra_keys = (request.lora_id,) if request.lora_id else ()
+        return hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes,
+                                extra_keys)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                            num_tokens: int) -> None:

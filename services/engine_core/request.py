@@ -49,6 +49,8 @@ class Request:
     events: list[RequestEvent] = field(default_factory=list)
     # Its structured-outputs constraint, following output_token_ids; None: unconstrained.
     grammar: RequestGrammar | None = None
+    # Its LoRA adapter's id; 0: the base model.
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -62,7 +64,8 @@ class Request:
                    eos_token_ids=frozenset(request.eos_token_ids),
                    trace_headers=dict(request.trace_headers), priority=request.priority,
                    queue_slots=request.queue_slots,
-                   output_token_ids=list(request.output_token_ids))
+                   output_token_ids=list(request.output_token_ids),
+                   lora_id=request.lora_request.lora_int_id if request.lora_request else 0)
 
     @property
     def num_tokens(self) -> int:

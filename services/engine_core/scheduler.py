@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 max_model_len: int, num_kv_blocks: int):
+                 max_model_len: int, num_kv_blocks: int, max_loras: int = 0):
         capacity = num_kv_blocks * cache_config.block_size
         if capacity < max_model_len:
             # Otherwise one request alone could outgrow the cache and preempt itself forever.
@@ -32,6 +32,9 @@ class Scheduler:
                              "--max-model-len")
         self.config = scheduler_config
         self.max_model_len = max_model_len
+        # Distinct LoRA adapters the running requests may use at once (the
+        # workers' slots); 0: LoRA off.
+        self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -171,6 +174,8 @@ class Scheduler:
         while (self.waiting and budget.tokens > 0 and budget.prefill_left != 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
+            if not self._lora_slot_free(request):
+                break  # it waits until a running request frees its adapter's slot
             computed_blocks, num_cached = kv.get_computed_blocks(request)
             num_new = budget.grant(request.request_id, request.num_tokens - num_cached)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
@@ -195,7 +200,7 @@ class Scheduler:
                 trace_headers=request.trace_headers,
                 eos_token_ids=[] if request.sampling_params.ignore_eos
                 else sorted(request.eos_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens))
+                num_prompt_tokens=request.num_prompt_tokens, lora_id=request.lora_id))
             output.num_scheduled_tokens[request.request_id] = num_new
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -246,6 +251,13 @@ class Scheduler:
         request.num_prompt_logprobs_reported = max(request.num_prompt_logprobs_reported,
                                                    start + num_scheduled)
         return chunk
+
+    def _lora_slot_free(self, request: Request) -> bool:
+        """Whether admitting the request keeps the running adapters within max_loras."""
+        if not request.lora_id:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id}
+        return request.lora_id in running or len(running) < self.max_loras
 
     def _pick_victim(self) -> Request:
         """FCFS: the most recently admitted; priority: the lowest priority (highest

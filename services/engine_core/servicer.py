@@ -44,6 +44,14 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
     async def GetEngineInfo(self, request, context):
         return convert.engine_info_to_proto(self.engine.core.info)
 
+    async def AddLora(self, request, context):
+        await self.engine.add_lora(convert.lora_from_proto(request))
+        return engine_core_pb2.AddLoraResponse()
+
+    async def RemoveLora(self, request, context):
+        await self.engine.remove_lora(request.name)
+        return engine_core_pb2.RemoveLoraResponse()
+
 
 def _end_request_span(span, last: EngineCoreOutput, num_prompt_tokens: int,
                       num_output_tokens: int) -> None:

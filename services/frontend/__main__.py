@@ -45,12 +45,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
     parser.add_argument("--http-host", help="its host (default: --host)")
+    parser.add_argument("--lora-modules", nargs="*", default=[], type=_lora_module,
+                        metavar="NAME=PATH", help="LoRA adapters to load at start (the "
+                        "engine cores need --enable-lora)")
     add_metrics_port_arg(parser)
     add_drain_arg(parser)
     add_health_port_arg(parser)
     add_tls_args(parser)
     add_api_key_arg(parser)
     return parser.parse_args(argv)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not (name and sep and path):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
 
 
 def _engine_addresses(text: str):
@@ -79,6 +89,8 @@ async def serve(args: argparse.Namespace) -> None:
     # Metrics are kept when something serves them: --metrics-port or the HTTP API.
     metrics = ServiceMetrics("llmserve-frontend") if args.metrics_port or args.http_port else None
     llm = await build_async_llm(engine, args.model, metrics)
+    for name, path in args.lora_modules:
+        await llm.loras.load(name, path)
     servicer = InferenceServicer(llm)
     server = ServiceServer(SERVICE_NAME,
                            lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s),

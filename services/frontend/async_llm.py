@@ -22,6 +22,7 @@ from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.frontend.async_merge import merge
 from services.frontend.engine_client import EngineClient
+from services.frontend.lora_adapters import LoRAAdapters
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.output_processor import GenerationOutput, OutputProcessor, RequestState
 from services.frontend.processor import ChatMessage, Processor
@@ -52,6 +53,8 @@ class RequestOptions:
     """What a request carries besides its input and sampling parameters."""
 
     priority: int = 0
+    # A loaded LoRA adapter to run with; None: the base model.
+    lora_name: str | None = None
     # The caller's trace context (from gRPC metadata or HTTP headers).
     trace_context: otel_context.Context | None = None
     attributes: dict = field(default_factory=dict)  # extra span attributes
@@ -65,6 +68,7 @@ class AsyncLLM:
         self.model_name = model_name
         self.metrics = metrics
         self.output_processor = OutputProcessor(processor.tokenizer, metrics)
+        self.loras = LoRAAdapters(engine)
         # Ids reserved from the moment a request arrives (before tokenization ends).
         self._live_request_ids: set[str] = set()
         self.draining = False  # shutting down: new requests are refused
@@ -103,10 +107,11 @@ class AsyncLLM:
         # The span stays current throughout: the engine call carries its context.
         try:
             with trace.use_span(span, end_on_exit=False):
+                lora = self.loras.get(options.lora_name)
                 prompt_ids = await self.tokenize(prompt)
                 engine_requests = self.processor.make_requests(
                     request_id, prompt_ids, params, tracing.current_trace_headers(),
-                    options.priority)
+                    options.priority, lora)
                 state = self.output_processor.add_request(
                     request_id, prompt.prompt, prompt_ids, params,
                     [r.request_id for r in engine_requests], arrival_time)

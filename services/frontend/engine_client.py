@@ -8,7 +8,8 @@ from typing import AsyncIterator
 import grpc
 
 from services.common import convert, tracing
-from services.common.errors import Unavailable, from_rpc_error
+from services.common.errors import FailedPrecondition, Unavailable, from_rpc_error
+from services.common.lora import LoRARequest
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats)
@@ -29,6 +30,13 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def get_info(self) -> EngineInfo: ...
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Loads a LoRA adapter (on every engine core replica)."""
+        raise FailedPrecondition(f"{type(self).__name__} cannot load LoRA adapters")
+
+    async def remove_lora(self, name: str) -> None:
+        raise FailedPrecondition(f"{type(self).__name__} cannot unload LoRA adapters")
 
     async def close(self) -> None:
         pass
@@ -51,6 +59,12 @@ class InprocEngineClient(EngineClient):
 
     async def get_info(self):
         return self.engine.core.info
+
+    async def add_lora(self, lora):
+        await self.engine.add_lora(lora)
+
+    async def remove_lora(self, name):
+        await self.engine.remove_lora(name)
 
     async def close(self):
         self.engine.shutdown()
@@ -92,6 +106,12 @@ class GrpcEngineClient(EngineClient):
     async def get_info(self):
         return convert.engine_info_from_proto(
             await self._unary(self.stub.GetEngineInfo, engine_core_pb2.GetEngineInfoRequest()))
+
+    async def add_lora(self, lora):
+        await self._unary(self.stub.AddLora, convert.lora_to_proto(lora))
+
+    async def remove_lora(self, name):
+        await self._unary(self.stub.RemoveLora, engine_core_pb2.RemoveLoraRequest(name=name))
 
     async def close(self):
         await self.channel.close()

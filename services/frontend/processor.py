@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from services.common.errors import InvalidArgument
+from services.common.lora import LoRARequest
 from services.common.request_types import EngineCoreRequest, EngineInfo
 from services.common.sampling_params import SamplingParams
 
@@ -50,7 +51,8 @@ class Processor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int],
                       sampling_params: SamplingParams, trace_headers: dict[str, str],
-                      priority: int = 0) -> list[EngineCoreRequest]:
+                      priority: int = 0, lora_request: LoRARequest | None = None
+                      ) -> list[EngineCoreRequest]:
         """One engine request per choice. With n > 1 they share the prompt, so all
         but the first find its KV in the prefix cache; seeded choices get seed + i,
         so the n completions differ yet are reproducible."""
@@ -68,7 +70,7 @@ class Processor:
                              dataclasses.replace(sampling_params,
                                                  seed=(sampling_params.seed + i) % 2**64)),
             eos_token_ids=self.eos_token_ids, trace_headers=trace_headers, priority=priority,
-            queue_slots=n - i)
+            queue_slots=n - i, lora_request=lora_request)
             for i in range(n)]
 
     def _resolve(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:

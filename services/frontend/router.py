@@ -143,17 +143,34 @@ class EngineRouter(EngineClient):
     async def get_info(self):
         return await self._pick().client.get_info()
 
+    async def add_lora(self, lora):
+        """On every replica up now; one that comes up later loads the adapter with
+        the first request naming it."""
+        await asyncio.gather(*(r.client.add_lora(lora) for r in self._healthy()))
+
+    async def remove_lora(self, name):
+        async def remove(replica: _Replica) -> None:
+            try:
+                await replica.client.remove_lora(name)
+            except LLMServeError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:  # never loaded there: nothing to do
+                    raise
+        await asyncio.gather(*(remove(r) for r in self._healthy()))
+
     async def close(self):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(r.client.close() for r in self.replicas))
 
-    def _pick(self) -> _Replica:
+    def _healthy(self) -> list[_Replica]:
         healthy = [r for r in self.replicas if r.healthy]
         if not healthy:
             raise Unavailable("no engine core is reachable; retry later")
-        return min(healthy, key=lambda r: r.load)
+        return healthy
+
+    def _pick(self) -> _Replica:
+        return min(self._healthy(), key=lambda r: r.load)
 
     def _mark_down(self, replica: _Replica, error: Exception) -> None:
         if replica.healthy:

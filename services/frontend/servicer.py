@@ -19,6 +19,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         params = convert.sampling_params_from_proto(request.sampling_params)
         options = RequestOptions(
             priority=request.priority,
+            lora_name=request.lora_name if request.HasField("lora_name") else None,
             trace_context=tracing.context_from_metadata(context.invocation_metadata()))
         async for output in self.llm.generate(_input_of(request), params, request_id, options):
             for response in convert.generate_responses(output):
@@ -39,7 +40,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ModelInfo(
             model=self.llm.model_name, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, eos_token_ids=self.llm.processor.eos_token_ids,
-            dtype=info.dtype, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks)
+            dtype=info.dtype, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
+            lora_adapters=self.llm.loras.names())
+
+    async def LoadLoraAdapter(self, request, context):
+        await self.llm.loras.load(request.lora_name, request.lora_path)
+        return inference_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request, context):
+        await self.llm.loras.unload(request.lora_name)
+        return inference_pb2.UnloadLoraAdapterResponse()
 
 
 def _input_of(request) -> PromptInput:

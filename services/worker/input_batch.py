@@ -27,6 +27,7 @@ class RequestState:
     eos_token_ids: list[int]
     generator: torch.Generator | None
     span: object = field(default=None, repr=False)  # the request's span in this worker
+    lora_id: int = 0  # its LoRA adapter; 0: none
 
 
 @dataclass

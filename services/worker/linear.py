@@ -12,15 +12,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.cpu_linear import matmul
+from services.worker.lora.layer import LoRALayer
 from services.worker.parallel import SINGLE, TensorParallel
 
 
 class _Linear(nn.Linear):
     """nn.Linear whose product goes through cpu_linear.matmul (prepacked or
-    16-bit weights on the CPU, F.linear otherwise)."""
+    16-bit weights on the CPU, F.linear otherwise), plus the LoRA deltas of the
+    step's adapters when LoRA is on."""
+
+    lora: "LoRALayer | None" = None  # set by the worker's LoRAManager
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        y = matmul(self, x)
+        return y if self.lora is None else self.lora.add_delta(y, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(self, x)
+        y = self._product(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -80,7 +88,7 @@ class RowParallelLinear(_Linear):
         param.data.copy_(self.tp.shard(loaded, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(matmul(self, x))
+        y = self.tp.all_reduce(self._product(x))
         # The bias is added once, after the sum.
         return y if self.bias is None else y + self.bias
 

@@ -9,6 +9,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.grammar_bitmask import apply_grammar_bitmasks
+from services.worker.lora.manager import LoRAManager
 from services.worker.input_batch import (InputBatch, RequestState, StepInputs,
                                          build_sampling_metadata)
 from services.worker.sampler import Sampler, gather_logprobs
@@ -19,7 +20,7 @@ _tracer = tracing.tracer(__name__)
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
                  kv_cache_dtype: torch.dtype, max_model_len: int,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, lora: LoRAManager | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -30,6 +31,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # CUDA graphs for decode-only steps (None: every step runs eagerly).
         self.decode_graphs = decode_graphs
+        self.lora = lora  # None: LoRA off
 
     def kv_block_bytes(self) -> int:
         layers = self.model.attention_layers
@@ -76,6 +78,10 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput()
         step = self.input_batch.prepare(scheduler_output)
+        if self.lora is not None:
+            states = self.input_batch.states
+            self.lora.set_step([states[row].lora_id for row in step.rows],
+                               np.diff(step.query_start_loc).tolist())
         hidden = self._forward(step)
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(step, hidden))
         rows = step.rows[step.sampling]
@@ -111,7 +117,7 @@ class ModelRunner:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
             batch.add(new, RequestState(new.request_id, new.sampling_params, new.eos_token_ids,
-                                        generator, span))
+                                        generator, span, new.lora_id))
         for cached in so.cached_requests:
             batch.append_blocks(cached.request_id, cached.new_block_ids)
             batch.set_num_computed(cached.request_id, cached.num_computed_tokens)

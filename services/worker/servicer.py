@@ -38,6 +38,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self.on_ready()
         return worker_pb2.InitKvCacheResponse()
 
+    async def AddLora(self, request, context):
+        await self.run(self.worker.add_lora, request.lora_id, request.lora_path)
+        return worker_pb2.AddLoraResponse()
+
+    async def RemoveLora(self, request, context):
+        await self.run(self.worker.remove_lora, request.lora_id)
+        return worker_pb2.RemoveLoraResponse()
+
     async def ExecuteModel(self, request, context):
         output = await self.run(self.execute_model, convert.scheduler_output_from_proto(request))
         return convert.model_runner_output_to_proto(output)

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.config import CacheConfig, ModelConfig, ParallelConfig
+from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.attention import make_attention_backend
 from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.lora.manager import LoRAManager
 from services.worker.cpu_linear import prepare_cpu_linears
 from services.worker.model_loader import load_model, resolve_dtype, resolve_storage_dtypes
 from services.worker.model_runner import ModelRunner
@@ -61,7 +63,8 @@ class Worker:
         self.description: WorkerDescription | None = None
 
     def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
-                   parallel_config: ParallelConfig = ParallelConfig()) -> LoadedModel:
+                   parallel_config: ParallelConfig = ParallelConfig(),
+                   lora_config: LoRAConfig = LoRAConfig()) -> LoadedModel:
         # The same seed on every rank: all ranks draw the same tokens.
         torch.manual_seed(model_config.seed)
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
@@ -78,14 +81,18 @@ class Worker:
         model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp,
                            backend)
         graphs = None
+        # LoRA deltas depend on per-step slot tensors the graphs would not see.
         if self.device.type == "cuda" and backend.name == "flash_attn" \
-                and not model_config.enforce_eager:
+                and not model_config.enforce_eager and not lora_config.enable_lora:
             graphs = DecodeGraphs(model, MAX_GRAPH_BATCH, model_config.max_model_len,
                                   cache_config.block_size, self.device, capture=True)
         linears = (prepare_cpu_linears(model, dtype, weight_dtype) if self.device.type == "cpu"
                    else "F.linear")
+        lora = (LoRAManager(model, lora_config.max_loras, lora_config.max_lora_rank, tp,
+                            dtype, self.device)
+                if lora_config.enable_lora else None)
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,
-                                        model_config.max_model_len, graphs)
+                                        model_config.max_model_len, graphs, lora)
         self.cache_config = cache_config
         self.description = WorkerDescription(
             self.rank, tp.size, str(self.device), _name(dtype), _name(weight_dtype or dtype),
@@ -115,6 +122,19 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def add_lora(self, lora_id: int, lora_path: str) -> None:
+        lora = self.model_runner.lora
+        if lora is None:
+            raise FailedPrecondition("LoRA is off: start the engine with --enable-lora")
+        try:
+            lora.add_adapter(lora_id, lora_path)
+        except ValueError as e:
+            raise InvalidArgument("lora_path", str(e)) from None
+
+    def remove_lora(self, lora_id: int) -> None:
+        if self.model_runner.lora is not None:
+            self.model_runner.lora.remove_adapter(lora_id)
 
 
 def _name(dtype: torch.dtype) -> str:

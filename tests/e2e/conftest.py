@@ -6,9 +6,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.launcher import LocalStack
-from services.common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
+                                    SchedulerConfig)
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from tests.e2e.otlp_receiver import OtlpReceiver
+from tests.lora_adapters import ALL_PROJECTIONS, build_adapter
 
 # Small limits so that tests can fill the batch and the waiting queue.
 MAX_NUM_SEQS = 8
@@ -24,13 +26,28 @@ def otlp():
 
 
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory, model_dir, otlp):
+def lora_dirs(tmp_path_factory, model_dir) -> dict[str, str]:
+    """Two PEFT adapters of the default model: "start" is served from the stack's
+    start (--lora-modules), "runtime" is for tests to load."""
+    root = tmp_path_factory.mktemp("lora")
+    dirs = {"start": str(root / "start"), "runtime": str(root / "runtime")}
+    build_adapter(model_dir, dirs["start"], 1, r=8, lora_alpha=16,
+                  target_modules=ALL_PROJECTIONS)
+    build_adapter(model_dir, dirs["runtime"], 2, r=4, lora_alpha=8,
+                  target_modules=["q_proj", "v_proj", "down_proj"])
+    return dirs
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory, model_dir, otlp, lora_dirs):
     log_dir = tmp_path_factory.mktemp("logs")
     config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
                           cache=CacheConfig(kv_cache_bytes=160 << 20),
                           scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
-                                                    max_waiting_requests=MAX_WAITING))
+                                                    max_waiting_requests=MAX_WAITING),
+                          lora=LoRAConfig(enable_lora=True, max_loras=2))
     local = LocalStack(config, port=0, log_dir=str(log_dir), http_port=0, metrics_port=0,
+                       lora_modules=[f"start-adapter={lora_dirs['start']}"],
                        env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
                             "OTEL_EXPORTER_OTLP_INSECURE": "true",
                             "OTEL_METRICS_EXPORTER": "otlp",

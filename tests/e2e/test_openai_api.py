@@ -45,7 +45,8 @@ def test_completion_and_chat(client, base_url):
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
     assert chat.choices[0].finish_reason in ("stop", "length")
     assert chat.usage.completion_tokens <= 40
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    # The shared stack serves one LoRA adapter from its start (conftest.py).
+    assert [m.id for m in client.models.list().data] == [MODEL, "start-adapter"]
 
 
 def test_streamed_text_equals_non_streamed(client):

@@ -10,9 +10,11 @@ from transformers import LlamaConfig
 
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
-from services.common.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
+                                    ParallelConfig)
 from tests.e2e.conftest import address, wait_all_blocks_free
 from tests.integration.tiny_models import tiny_hf_model
+from tests.lora_adapters import ALL_PROJECTIONS, build_adapter, peft_greedy
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
@@ -31,28 +33,40 @@ def tiny_model_dir(tmp_path_factory, model_dir):
     return str(path)
 
 
-def greedy_outputs(model: str, tp: int, log_dir: Path) -> list[list[int]]:
+def greedy_outputs(model: str, tp: int, log_dir: Path, lora_dir: str = "",
+                   lora_name: str | None = None) -> list[list[int]]:
     config = EngineConfig(model=ModelConfig(model=model, dtype="float32", max_model_len=512),
                           cache=CacheConfig(kv_cache_bytes=16 << 20),
-                          parallel=ParallelConfig(tensor_parallel_size=tp))
-    with LocalStack(config, port=0, log_dir=str(log_dir)) as stack:
+                          parallel=ParallelConfig(tensor_parallel_size=tp),
+                          lora=LoRAConfig(enable_lora=bool(lora_dir)))
+    with LocalStack(config, port=0, log_dir=str(log_dir),
+                    lora_modules=[f"tiny-adapter={lora_dir}"] if lora_dir else []) as stack:
         stack.start(timeout_s=180)
         assert sum(s.name.startswith("worker") for s in stack.services) == tp
         with Client(address(stack, "frontend")) as client:
             outputs = [[t for r in client.generate(p, max_tokens=16, temperature=0,
-                                                   ignore_eos=True) for t in r.token_ids]
-                       for p in PROMPTS]
+                                                   ignore_eos=True, lora_name=name)
+                        for t in r.token_ids]
+                       for name in ([None, lora_name] if lora_name else [None]) for p in PROMPTS]
         wait_all_blocks_free(stack)
     return outputs
 
 
-def test_tp2_greedy_equals_tp1(tiny_model_dir, tmp_path):
+def test_tp2_greedy_equals_tp1_with_and_without_a_lora_adapter(tiny_model_dir, tokenizer,
+                                                               tmp_path):
+    """A and B of the adapter are split like their layers (column-parallel B by
+    rows, row-parallel A by columns); the outputs equal TP=1 and peft's."""
+    lora_dir = str(tmp_path / "adapter")
+    build_adapter(tiny_model_dir, lora_dir, 3, r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS)
     (tmp_path / "tp1").mkdir()
     (tmp_path / "tp2").mkdir()
-    single = greedy_outputs(tiny_model_dir, 1, tmp_path / "tp1")
-    split = greedy_outputs(tiny_model_dir, 2, tmp_path / "tp2")
+    single = greedy_outputs(tiny_model_dir, 1, tmp_path / "tp1", lora_dir, "tiny-adapter")
+    split = greedy_outputs(tiny_model_dir, 2, tmp_path / "tp2", lora_dir, "tiny-adapter")
     assert all(len(o) == 16 for o in single)
     assert split == single
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert single[len(PROMPTS):] == peft_greedy(tiny_model_dir, lora_dir, prompts, 16)
+    assert single[len(PROMPTS):] != single[:len(PROMPTS)]
 
 
 def test_one_rank_killed_resets_the_group_and_loses_nothing(tiny_model_dir, tmp_path):

@@ -30,9 +30,18 @@ class FakeExecutor(Executor):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.requests: dict[str, dict] = {}
+        self.loras: dict[int, str] = {}  # LoRA adapters "loaded": id -> path
+        # The distinct adapters of each step's scheduled requests.
+        self.step_loras: list[set[int]] = []
 
-    def load_model(self, model_config, cache_config, parallel_config):
+    def load_model(self, model_config, cache_config, parallel_config, lora_config):
         return LoadedModel(vocab_size=VOCAB_SIZE, dtype="float32", kv_block_bytes=1)
+
+    def add_lora(self, lora_id, lora_path):
+        self.loras[lora_id] = lora_path
+
+    def remove_lora(self, lora_id):
+        del self.loras[lora_id]
 
     def determine_num_kv_blocks(self):
         return self.num_blocks
@@ -44,13 +53,16 @@ class FakeExecutor(Executor):
         for request_id in so.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in so.new_requests:
+            assert new.lora_id == 0 or new.lora_id in self.loras, "adapter not loaded first"
             self.requests[new.request_id] = {"tokens": list(new.token_ids),
                                              "blocks": list(new.block_ids),
-                                             "computed": new.num_computed_tokens}
+                                             "computed": new.num_computed_tokens,
+                                             "lora": new.lora_id}
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             assert state["computed"] == cached.num_computed_tokens
             state["blocks"] += cached.new_block_ids
+        self.step_loras.append({self.requests[r]["lora"] for r in so.num_scheduled_tokens} - {0})
         sampled = {}
         for request_id, n in so.num_scheduled_tokens.items():
             state = self.requests[request_id]

@@ -9,7 +9,9 @@ from collections import Counter
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from services.common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
+                                    SchedulerConfig)
+from services.common.lora import LoRARequest
 from services.common.errors import InvalidArgument
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 from services.engine_core.engine_core import EngineCore
@@ -42,7 +44,7 @@ def check_invariants(scheduler: Scheduler) -> None:
 
 
 _add = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 40), st.integers(0, 3),
-                st.integers(0, 2))
+                st.integers(0, 2), st.integers(0, 3))  # the last: LoRA adapter id (0: none)
 operations = st.lists(st.one_of(
     _add, _add, _add,  # weighted: enough requests to run out of blocks
     st.tuples(st.just("abort"), st.integers(0, 50)),
@@ -53,14 +55,16 @@ operations = st.lists(st.one_of(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(10, 24), budget=st.integers(4, 48),
        max_seqs=st.integers(2, 8), policy=st.sampled_from(["fcfs", "priority"]),
-       prefix_caching=st.booleans())
-def test_random_add_abort_step(ops, num_blocks, budget, max_seqs, policy, prefix_caching):
+       prefix_caching=st.booleans(), max_loras=st.integers(1, 2))
+def test_random_add_abort_step(ops, num_blocks, budget, max_seqs, policy, prefix_caching,
+                               max_loras):
     max_model_len = num_blocks * BLOCK_SIZE // 2
     config = EngineConfig(
         model=ModelConfig(model="fake", max_model_len=max_model_len),
         cache=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                  policy=policy))
+                                  policy=policy),
+        lora=LoRAConfig(enable_lora=True, max_loras=max_loras))
     core = EngineCore(config, FakeExecutor(num_blocks, BLOCK_SIZE))
     scheduler = core.scheduler
     prefixes = [[(11 * p + i) % 100 + 10 for i in range(12)] for p in range(4)]
@@ -80,12 +84,14 @@ def test_random_add_abort_step(ops, num_blocks, budget, max_seqs, policy, prefix
 
     for op in ops:
         if op[0] == "add":
-            _, length, max_tokens, prefix, priority = op
+            _, length, max_tokens, prefix, priority, lora_id = op
             # Prompts share one of four 12-token prefixes (3 blocks), then differ.
             prompt = (prefixes[prefix] + [len(added) + 200] * length)[:length + 2]
             request = EngineCoreRequest(f"r{len(added)}", prompt,
                                         SamplingParams(max_tokens=max_tokens), [EOS],
-                                        priority=priority)
+                                        priority=priority, lora_request=LoRARequest(
+                                            f"a{lora_id}", lora_id, f"/a{lora_id}")
+                                        if lora_id else None)
             try:
                 core.add_request(request)
             except InvalidArgument:
@@ -107,6 +113,7 @@ def test_random_add_abort_step(ops, num_blocks, budget, max_seqs, policy, prefix
             break
         step()
     assert not core.has_work(), "requests never finished"
+    assert all(len(loras) <= max_loras for loras in core.executor.step_loras)
     event(f"preempted: {scheduler.num_preemptions > 0}")
     event(f"prefix cache hits: {scheduler.kv_cache_manager.prefix_cache_stats.hits > 0}")
     event(f"aborted: {bool(aborted)}")

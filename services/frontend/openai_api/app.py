@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 
@@ -42,20 +42,24 @@ def build_app(llm: AsyncLLM, api_key: str = "") -> FastAPI:
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)
     async def create_completion(body: P.CompletionRequest, request: Request):
-        _check_model(llm, body.model)
-        return await completions.create(body, request, _options(request, body.user))
+        lora_name = _check_model(llm, body.model)
+        return await completions.create(body, request, _options(request, body.user, lora_name))
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
               responses=_ERRORS)
     async def create_chat_completion(body: P.ChatCompletionRequest, request: Request):
-        _check_model(llm, body.model)
-        return await chat.create(body, request, _options(request, body.user))
+        lora_name = _check_model(llm, body.model)
+        return await chat.create(body, request, _options(request, body.user, lora_name))
 
     @app.get("/v1/models", response_model=P.ModelList)
     async def models() -> P.ModelList:
-        return P.ModelList(data=[P.ModelCard(
-            id=llm.model_name, created=created,
-            max_model_len=llm.processor.engine_info.max_model_len)])
+        """The served model, then each loaded LoRA adapter."""
+        max_len = llm.processor.engine_info.max_model_len
+        return P.ModelList(data=[P.ModelCard(id=llm.model_name, created=created,
+                                             max_model_len=max_len)] + [
+            P.ModelCard(id=lora.lora_name, created=created, max_model_len=max_len,
+                        root=lora.lora_path, parent=llm.model_name)
+            for lora in llm.loras.by_name.values()])
 
     @app.get("/health", responses={503: {"model": P.ErrorResponse}})
     async def health():
@@ -76,6 +80,7 @@ def build_app(llm: AsyncLLM, api_key: str = "") -> FastAPI:
             return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     _add_tokenizer_routes(app, llm)
+    _add_lora_routes(app, llm)
     _publish_served_model(app, llm.model_name)
     return app
 
@@ -128,14 +133,33 @@ def _add_tokenizer_routes(app: FastAPI, llm: AsyncLLM) -> None:
         return P.DetokenizeResponse(prompt=llm.processor.detokenize(body.tokens))
 
 
-def _check_model(llm: AsyncLLM, model: str | None) -> None:
-    if model is not None and model != llm.model_name:
-        raise NotFound(f"model {model!r} does not exist; this server serves "
-                       f"{llm.model_name!r} (GET /v1/models)")
+def _add_lora_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    """vLLM's routes for adapters at run time (the server needs --enable-lora)."""
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def load_lora_adapter(body: P.LoadLoraAdapterRequest) -> str:
+        await llm.loras.load(body.lora_name, body.lora_path)
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def unload_lora_adapter(body: P.UnloadLoraAdapterRequest) -> str:
+        await llm.loras.unload(body.lora_name)
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
-def _options(request: Request, user: str | None) -> RequestOptions:
-    """The caller's trace context (W3C headers) and who it is, for the span."""
+def _check_model(llm: AsyncLLM, model: str | None) -> str | None:
+    """The LoRA adapter `model` names, if it names one; None for the served model."""
+    if model is None or model == llm.model_name:
+        return None
+    if model in llm.loras.by_name:
+        return model
+    raise NotFound(f"model {model!r} does not exist; this server serves "
+                   f"{', '.join(map(repr, [llm.model_name, *llm.loras.names()]))} "
+                   "(GET /v1/models)")
+
+
+def _options(request: Request, user: str | None, lora_name: str | None = None) -> RequestOptions:
+    """The caller's trace context (W3C headers), who it is, for the span, and the
+    adapter its `model` names."""
     return RequestOptions(
-        trace_context=tracing.context_from_headers(dict(request.headers)),
+        trace_context=tracing.context_from_headers(dict(request.headers)), lora_name=lora_name,
         attributes={"llmserve.request.user": user} if user else {})

@@ -127,6 +127,19 @@ class TokenizeChatRequest(Request):
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
+class LoadLoraAdapterRequest(Request):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, description="a PEFT adapter directory the "
+                           "engine's workers can read")
+
+
+class UnloadLoraAdapterRequest(Request):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = Field(None, description="accepted for vLLM's clients; unused")
+
+
 class DetokenizeRequest(Request):
     model: str | None = None
     tokens: list[TokenId]
@@ -231,6 +244,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "llmserve"
     max_model_len: int
+    # LoRA adapters: their directory, and the model they adapt (vLLM's fields).
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,52 @@
+"""LoRAAdapters: the LoRA adapters a frontend serves, by name. The frontend gives
+each its id and sends it along with every request that names it, so an engine
+core replica that did not hold it yet (restarted, or new) loads it then."""
+from __future__ import annotations
+
+import logging
+
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound
+from services.common.lora import LoRARequest
+from services.frontend.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+MAX_NAME_CHARS = 128
+
+
+class LoRAAdapters:
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+        self.by_name: dict[str, LoRARequest] = {}
+        self._next_id = 1
+
+    def get(self, name: str | None) -> LoRARequest | None:
+        if name is None:
+            return None
+        lora = self.by_name.get(name)
+        if lora is None:
+            raise NotFound(f"no LoRA adapter named {name!r} is loaded (loaded: "
+                           f"{', '.join(self.by_name) or 'none'})")
+        return lora
+
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    async def load(self, name: str, path: str) -> None:
+        if not 0 < len(name) <= MAX_NAME_CHARS:
+            raise InvalidArgument("lora_name", f"must have 1 to {MAX_NAME_CHARS} characters")
+        if not path:
+            raise InvalidArgument("lora_path", "is empty")
+        if name in self.by_name:
+            raise AlreadyExists(f"a LoRA adapter named {name!r} is loaded already; "
+                                "unload it first")
+        lora = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        await self.engine.add_lora(lora)
+        self.by_name[name] = lora
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+
+    async def unload(self, name: str) -> None:
+        self.get(name)
+        await self.engine.remove_lora(name)
+        del self.by_name[name]
+        logger.info("LoRA adapter %r unloaded", name)
