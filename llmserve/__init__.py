@@ -11,9 +11,8 @@ from llmserve.engine_args import EngineArgs
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams",
-           "LoRARequest",
-           "RequestOutputKind",
-           "OutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+           "LoRARequest", "RequestOutputKind", "OutputKind", "RequestOutput",
+           "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name):

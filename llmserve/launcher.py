@@ -17,6 +17,7 @@ from services.common.launcher_link import LAUNCHER_PID_ENV
 from services.common.tls import TlsConfig, tls_to_argv
 from services.worker.cpu_cores import format_cores, split_cores
 
+
 def free_port(host: str) -> int:
     """A port nothing listens on now (the HTTP server binds it a moment later)."""
     with socket.socket() as s:

@@ -11,11 +11,11 @@ from services.common.errors import AlreadyExists
 from services.common.lora import LoRARequest
 from services.common.model_store import resolve_model
 from services.common.sampling_params import SamplingParams
+from services.common.tokenizer import load_tokenizer
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.executor import InprocExecutor
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.processor import Processor
-from services.common.tokenizer import load_tokenizer
 from services.worker.worker import Worker
 from llmserve.engine_args import EngineArgs
 from llmserve.outputs import RequestOutput, to_request_output

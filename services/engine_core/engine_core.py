@@ -71,9 +71,6 @@ class EngineCore:
     def remove_lora(self, name: str) -> None:
         self.loras.remove(name, {r.lora_id for r in self.scheduler.requests.values()})
 
-    def list_loras(self) -> list[LoRARequest]:
-        return list(self.loras.by_name.values())
-
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
 

@@ -1,9 +1,10 @@
-"""LoRAAdapters: the LoRA adapters a frontend serves, by name. The frontend gives
-each its id and sends it along with every request that names it, so an engine
-core replica that did not hold it yet (restarted, or new) loads it then."""
+"""LoRAAdapters: the LoRA adapters a frontend serves, by name. The frontend sends
+the adapter along with every request that names it, so an engine core replica
+that did not hold it yet (restarted, or new) loads it then."""
 from __future__ import annotations
 
 import logging
+import zlib
 
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.lora import LoRARequest
@@ -17,7 +18,6 @@ class LoRAAdapters:
     def __init__(self, engine: EngineClient):
         self.engine = engine
         self.by_name: dict[str, LoRARequest] = {}
-        self._next_id = 1
 
     def get(self, name: str | None) -> LoRARequest | None:
         if name is None:
@@ -39,8 +39,7 @@ class LoRAAdapters:
         if name in self.by_name:
             raise AlreadyExists(f"a LoRA adapter named {name!r} is loaded already; "
                                 "unload it first")
-        lora = LoRARequest(name, self._next_id, path)
-        self._next_id += 1
+        lora = LoRARequest(name, adapter_id(name, path), path)
         await self.engine.add_lora(lora)
         self.by_name[name] = lora
         logger.info("LoRA adapter %r loaded from %s", name, path)
@@ -50,3 +49,10 @@ class LoRAAdapters:
         await self.engine.remove_lora(name)
         del self.by_name[name]
         logger.info("LoRA adapter %r unloaded", name)
+
+
+def adapter_id(name: str, path: str) -> int:
+    """The engine's id of an adapter, from its name and path: frontends that load
+    the same adapter (several replicas behind one engine) agree on it without
+    talking to each other. A clash of two adapters is refused by the engine core."""
+    return zlib.crc32(f"{name}\0{path}".encode()) % (2**31 - 1) + 1
