@@ -170,38 +170,49 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: "_Budget") -> None:
-        kv = self.kv_cache_manager
+        # Requests whose LoRA adapter has no free slot keep their place; the ones
+        # behind them go first meanwhile (as in vLLM).
+        skipped: list[Request] = []
         while (self.waiting and budget.tokens > 0 and budget.prefill_left != 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             if not self._lora_slot_free(request):
-                break  # it waits until a running request frees its adapter's slot
-            computed_blocks, num_cached = kv.get_computed_blocks(request)
-            num_new = budget.grant(request.request_id, request.num_tokens - num_cached)
-            if kv.allocate_slots(request, num_new, computed_blocks) is None:
-                budget.refund(request.request_id)
-                break
-            self.waiting.pop()
-            kv.record_prefix_cache_lookup(request.num_tokens, num_cached)
-            self.running.append(request)
-            if request.status is RequestStatus.WAITING:  # not a resumed preemption
-                request.num_cached_tokens = num_cached
-            else:
-                self.num_preempted -= 1
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            request.record(Event.SCHEDULED)
-            output.new_requests.append(NewRequestData(
-                request_id=request.request_id,
-                token_ids=list(request.all_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=kv.block_ids(request.request_id),
-                num_computed_tokens=num_cached,
-                trace_headers=request.trace_headers,
-                eos_token_ids=[] if request.sampling_params.ignore_eos
-                else sorted(request.eos_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens, lora_id=request.lora_id))
-            output.num_scheduled_tokens[request.request_id] = num_new
+                skipped.append(self.waiting.pop())
+            elif not self._admit(request, output, budget):
+                break  # no KV room for the head: nothing behind it jumps ahead
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+    def _admit(self, request: Request, output: SchedulerOutput, budget: "_Budget") -> bool:
+        """Schedules the waiting queue's head; False when the KV cache has no room."""
+        kv = self.kv_cache_manager
+        computed_blocks, num_cached = kv.get_computed_blocks(request)
+        num_new = budget.grant(request.request_id, request.num_tokens - num_cached)
+        if kv.allocate_slots(request, num_new, computed_blocks) is None:
+            budget.refund(request.request_id)
+            return False
+        self.waiting.pop()
+        kv.record_prefix_cache_lookup(request.num_tokens, num_cached)
+        self.running.append(request)
+        if request.status is RequestStatus.WAITING:  # not a resumed preemption
+            request.num_cached_tokens = num_cached
+        else:
+            self.num_preempted -= 1
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        request.record(Event.SCHEDULED)
+        output.new_requests.append(NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=kv.block_ids(request.request_id),
+            num_computed_tokens=num_cached,
+            trace_headers=request.trace_headers,
+            eos_token_ids=[] if request.sampling_params.ignore_eos
+            else sorted(request.eos_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens, lora_id=request.lora_id))
+        output.num_scheduled_tokens[request.request_id] = num_new
+        return True
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
