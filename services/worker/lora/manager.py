@@ -8,6 +8,7 @@ import logging
 import torch
 
 from services.worker.lora.adapter import LoRAAdapter, load_adapter
+from services.worker.linear import RowParallelLinear
 from services.worker.lora.layer import LoRALayer, TokenSlots
 from services.worker.parallel import TensorParallel
 
@@ -22,6 +23,7 @@ class LoRAManager:
         self.device = device
         # (layer index, projection) -> (the layer's LoRALayer, its shard name there)
         self.targets: dict[tuple[int, str], tuple[LoRALayer, str]] = {}
+        self.layers: list[LoRALayer] = []
         for index, layer in enumerate(model.model.layers):
             self._attach(index, layer, model.packed_modules_mapping, tp, dtype)
         self.adapters: dict[int, LoRAAdapter] = {}
@@ -33,9 +35,10 @@ class LoRAManager:
                    "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
         for name, linear in linears.items():
             shards = getattr(linear, "shard_offsets", None) or {name: (0, linear.out_features)}
-            linear.lora = LoRALayer(shards, linear.in_features, name in ("o_proj", "down_proj"),
-                                    self.max_loras, self.max_rank, tp, self.tokens, dtype,
-                                    self.device)
+            linear.lora = LoRALayer(shards, linear.in_features,
+                                    isinstance(linear, RowParallelLinear), self.max_loras,
+                                    self.max_rank, tp, self.tokens, dtype, self.device)
+            self.layers.append(linear.lora)
             for projection, (parent, shard) in packed.items():
                 if parent == name:
                     self.targets[(index, projection)] = (linear.lora, shard)
@@ -90,9 +93,8 @@ class LoRAManager:
         return slot
 
     def _fill_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        by_layer: dict[LoRALayer, dict] = {}
-        for lora_layer, _ in self.targets.values():
-            by_layer.setdefault(lora_layer, {})
+        """Every layer's slot gets the adapter's weights for it (none: zeros)."""
+        by_layer: dict[LoRALayer, dict] = {lora_layer: {} for lora_layer in self.layers}
         for where, weights in (adapter.weights.items() if adapter else []):
             lora_layer, shard = self.targets[where]
             by_layer[lora_layer][shard] = weights
