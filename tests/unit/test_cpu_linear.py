@@ -50,7 +50,8 @@ def test_sixteen_bit_weights_serve_few_rows_and_fp32_weights_the_rest():
                              for k, v in model.state_dict().items()})  # biases stay fp32
     few = x[:GEMV_MAX_ROWS]
     torch.testing.assert_close(model(few), rounded(few), rtol=1e-5, atol=1e-5)  # 16-bit weights
-    assert torch.equal(model(x), exact)  # many rows: the fp32 weights, bit for bit
+    # Many rows: the fp32 weights (MKL-packed: equal up to the order of the sums).
+    torch.testing.assert_close(model(x), exact, rtol=1e-6, atol=1e-6)
 
 
 def test_sixteen_bit_models_use_prepacked_onednn_where_native():
@@ -67,7 +68,25 @@ def test_sixteen_bit_models_use_prepacked_onednn_where_native():
     assert matmul(model.a, x[None, :2]).shape == (1, 2, 96)  # leading dims kept
 
 
-def test_fp32_models_keep_f_linear():
+def test_fp32_models_use_mkl_packed_weights_for_any_row_count():
+    """The weights are packed once (for 64 rows) and serve every row count in
+    PACKED_ROWS, equal to F.linear up to the order of the sums; other row counts
+    take F.linear itself."""
     model = Tiny()
-    assert prepare_cpu_linears(model, torch.float32, None) == "F.linear"
-    assert all(getattr(m, "cpu_weights", None) is None for m in model.modules())
+    x = torch.randn(300, 64)
+    expected = {rows: model(x[:rows]) for rows in (0, 1, 2, 3, 7, 64, 100, 300)}
+    path = prepare_cpu_linears(model, torch.float32, None)
+    if not torch.backends.mkl.is_available():
+        assert path == "F.linear"
+        return
+    assert path == "MKL prepacked"
+    for rows, want in expected.items():
+        torch.testing.assert_close(model(x[:rows]), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model(x[:2]), expected[2]) and torch.equal(model(x[:300]), expected[300])
+    assert matmul(model.a, x[None, :5]).shape == (1, 5, 96)  # leading dims kept
+    # Inside PACKED_ROWS the product reads the packed weight; outside, F.linear.
+    assert model.a.cpu_weights.packed.is_mkldnn
+    model.a.cpu_weights.packed = torch.ops.mkl._mkl_reorder_linear_weight(
+        torch.zeros_like(model.a.weight), 64)
+    assert torch.equal(model.a(x[:64]), model.a.bias.expand(64, -1))
+    torch.testing.assert_close(model.a(x[:2]), F.linear(x[:2], model.a.weight, model.a.bias))

@@ -39,10 +39,23 @@ def test_write_kv_cache_equals_reference(block_size, dtype):
                                                               (5, 4, 4, 33), (3, 8, 1, 130),
                                                               (2, 9, 3, 300)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [16, 64, 128])
 def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtype, block_size):
-    gen = torch.Generator().manual_seed(batch * 1000 + max_len)
-    num_blocks, d = 64, 64
+    """Block size 64 takes the torch reference; the others the kernel. Groups of 1,
+    3 and 8 query heads per KV head: one pass, or two passes of 4 heads."""
+    _check_decode(batch, heads, kv_heads, 64, max_len, dtype, block_size)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (7, 1)])
+def test_decode_attention_head_dims(head_dim, heads, kv_heads):
+    """Each compiled head dim; at 128, passes of 2 query heads (3 = 2 + 1)."""
+    _check_decode(4, heads, kv_heads, head_dim, 50, torch.float32, 16)
+
+
+def _check_decode(batch, heads, kv_heads, d, max_len, dtype, block_size):
+    gen = torch.Generator().manual_seed(batch * 1000 + max_len + d)
+    num_blocks = 64
     key_cache, value_cache = _caches(num_blocks, block_size, kv_heads, d, dtype, gen)
     query = torch.randn(batch, heads, d, generator=gen).to(dtype)
     seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen)
