@@ -75,6 +75,11 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
 
+    @property
+    def num_slots(self) -> int:
+        """Adapter slots the workers hold: max_loras, or 0 with LoRA off."""
+        return self.max_loras if self.enable_lora else 0
+
 
 @dataclass
 class EngineConfig:

@@ -23,7 +23,6 @@ from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutp
 
 # ---- sampling params -------------------------------------------------------------
 
-# Fields whose proto form is not a scalar: (from proto, to proto).
 def structured_outputs_from_proto(pb: common_pb2.SamplingParams) -> StructuredOutputsParams | None:
     if not pb.HasField("structured_outputs"):
         return None
@@ -49,6 +48,7 @@ def structured_outputs_to_proto(params: StructuredOutputsParams | None):
                                         disable_any_whitespace=params.disable_any_whitespace)
 
 
+# Fields whose proto form is not a scalar: (from proto, to proto).
 _SAMPLING_COLLECTIONS = {
     "stop_token_ids": (list, list), "stop": (list, list), "allowed_token_ids": (list, list),
     "bad_words": (list, list), "logit_bias": (dict, dict),
@@ -221,7 +221,7 @@ def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig, parallel
         gpu_memory_utilization=cache.gpu_memory_utilization,
         tensor_parallel_size=parallel.tensor_parallel_size,
         distributed_init_method=parallel.distributed_init_method,
-        max_loras=lora.max_loras if lora.enable_lora else 0, max_lora_rank=lora.max_lora_rank)
+        max_loras=lora.num_slots, max_lora_rank=lora.max_lora_rank)
 
 
 def load_model_request_from_proto(pb: worker_pb2.LoadModelRequest

@@ -34,8 +34,7 @@ class EngineCore:
         num_blocks = executor.determine_num_kv_blocks()
         executor.init_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
-                                   num_blocks, config.lora.max_loras if config.lora.enable_lora
-                                   else 0)
+                                   num_blocks, config.lora.num_slots)
         self.loras = LoRARegistry(config.lora, executor)
         self.info = EngineInfo(model_path=config.model.model,
                                max_model_len=config.model.max_model_len,
