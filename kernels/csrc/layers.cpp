@@ -133,8 +133,7 @@ void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
     for (int64_t r = begin; r < end; ++r) {
       llmserve::widen(in + r * 2 * n, g, n);
       llmserve::widen(in + r * 2 * n + n, u, n);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + llmserve::fast_exp(-g[i]));
+      llmserve::silu(g, n);
       // Rounded to the model dtype before the product, as F.silu(gate) * up is.
       llmserve::round_to<scalar_t>(g, n);
 #pragma omp simd

@@ -53,52 +53,75 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
 using llmserve::load16;
 using llmserve::vf16;
 
-// Scores of one query head (scaled, fp32) against a block of keys [D][BS]:
-// BS/16 vectors of 16 tokens, each the sum over d of q[d] * K[d][16 tokens],
-// with four independent accumulators so the multiply-adds pipeline.
-template <typename scalar_t, int BS, int D>
-inline void head_block_scores(const float* q, const scalar_t* kblock, float* scores) {
+// The query heads of one KV head that one pass over its blocks serves: each
+// K/V vector loaded is used by all of them. Their value sums (G x D/16 vectors)
+// must stay within the 32 vector registers.
+template <int D>
+constexpr int heads_per_pass() {
+  return D <= 64 ? 4 : 2;
+}
+
+// Scores of G query heads (scaled, fp32, [G][D]) against a block of keys
+// [D][BS], into scores[g * stride + token]: BS/16 vectors of 16 tokens, each the
+// sum over d of q[d] * K[d][16 tokens]. A independent sums per head, so that at
+// least eight chains of multiply-adds are in flight.
+template <typename scalar_t, int BS, int D, int G>
+inline void block_scores(const float* q, const scalar_t* kblock, float* scores, int64_t stride) {
+  constexpr int A = G >= 4 ? 2 : 4;
   for (int c = 0; c < BS; c += 16) {
-    vf16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int d = 0; d < D; d += 4) {
-      a0 += q[d] * load16(kblock + d * BS + c);
-      a1 += q[d + 1] * load16(kblock + (d + 1) * BS + c);
-      a2 += q[d + 2] * load16(kblock + (d + 2) * BS + c);
-      a3 += q[d + 3] * load16(kblock + (d + 3) * BS + c);
+    vf16 acc[G][A] = {};
+    for (int d = 0; d < D; d += A) {
+      for (int a = 0; a < A; ++a) {
+        const vf16 k = load16(kblock + (d + a) * BS + c);
+        for (int g = 0; g < G; ++g) acc[g][a] += q[g * D + d + a] * k;
+      }
     }
-    const vf16 sum = (a0 + a1) + (a2 + a3);
-    std::memcpy(scores + c, &sum, sizeof(sum));
+    for (int g = 0; g < G; ++g) {
+      vf16 sum = acc[g][0];
+      for (int a = 1; a < A; ++a) sum += acc[g][a];
+      std::memcpy(scores + g * stride + c, &sum, sizeof(sum));
+    }
   }
 }
 
-// acc (D/16 vectors, kept in registers by the caller) += p[t] * V[t] over a
-// block's first `valid` tokens; values [BS][D].
-template <typename scalar_t, int D>
-inline void head_block_values(const float* p, int64_t valid, const scalar_t* vblock,
-                              vf16* acc) {
-  for (int64_t t = 0; t < valid; ++t) {
-    const float w = p[t];
-    for (int c = 0; c < D / 16; ++c) acc[c] += w * load16(vblock + t * D + c * 16);
-  }
+// acc[g] (D/16 vectors per head, in registers) += p[g][t] * V[t] over a block's
+// first `valid` tokens; values [BS][D], weights p[g * stride + t]. With fewer
+// than eight sums, even and odd tokens add into separate sets (P = 2), so that
+// the adds do not wait on each other.
+template <typename scalar_t, int D, int G, int P>
+inline void block_values(const float* p, int64_t stride, int64_t valid, const scalar_t* vblock,
+                         vf16 (&acc)[P][G][D / 16]) {
+  int64_t t = 0;
+  for (; t + P <= valid; t += P)
+    for (int parity = 0; parity < P; ++parity)
+      for (int c = 0; c < D / 16; ++c) {
+        const vf16 v = load16(vblock + (t + parity) * D + c * 16);
+        for (int g = 0; g < G; ++g) acc[parity][g][c] += p[g * stride + t + parity] * v;
+      }
+  for (; t < valid; ++t)
+    for (int c = 0; c < D / 16; ++c) {
+      const vf16 v = load16(vblock + t * D + c * 16);
+      for (int g = 0; g < G; ++g) acc[0][g][c] += p[g * stride + t] * v;
+    }
 }
 
-// Numerically stable softmax of each row's first `len` scores, in place; each
-// row's sum goes to `sums`.
-inline void softmax_rows(float* scores, int64_t group, int64_t stride, int64_t len,
-                         float* sums) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * stride;
-    float m = -std::numeric_limits<float>::max();
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = llmserve::fast_exp(s[t] - m);
-      sum += s[t];
-    }
-    sums[g] = sum;
+// Numerically stable softmax of `len` scores (a multiple of 16), in place;
+// returns their sum.
+inline float softmax(float* s, int64_t len) {
+  vf16 top = load16(s);
+  for (int64_t t = 16; t < len; t += 16) {
+    const vf16 v = load16(s + t);
+    top = v > top ? v : top;
   }
+  float m = top[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, top[i]);
+  vf16 sum = {};
+  for (int64_t t = 0; t < len; t += 16) {
+    const vf16 e = llmserve::fast_exp16(load16(s + t) - m);
+    llmserve::store16(s + t, e);
+    sum += e;
+  }
+  return llmserve::sum16(sum);
 }
 
 // Blocks are scattered pages, and hardware prefetchers stop at page boundaries:
@@ -110,39 +133,64 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
     __builtin_prefetch(p + i);
 }
 
-// One (sequence, KV head) work item: its `group` query heads against the
-// sequence's blocks; out[h] = softmax(q_h K^T * scale) V.
+// G query heads of KV head h against one sequence's blocks, in one pass over
+// them: out[g] = softmax(q_g K^T * scale) V.
+template <typename q_t, typename scalar_t, int BS, int D, int G>
+void decode_heads(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
+                  int64_t len, int64_t kv_heads, int64_t h, double scale, q_t* out,
+                  std::vector<float>& scores) {
+  constexpr int P = G * D / 16 >= 8 ? 1 : 2;
+  const int64_t num_blocks = (len + BS - 1) / BS, stride = num_blocks * BS;
+  scores.resize(G * stride);
+  alignas(64) float qf[G * D];
+  for (int i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t n = 0; n < num_blocks; ++n) {
+    if (n + 1 < num_blocks) prefetch_block(kc + (row[n + 1] * kv_heads + h) * D * BS, D * BS);
+    block_scores<scalar_t, BS, D, G>(qf, kc + (row[n] * kv_heads + h) * D * BS,
+                                     scores.data() + n * BS, stride);
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    // Past the end, scores that exp() takes to ~0: the softmax runs over whole
+    // vectors, and the value pass reads only the first `len` weights anyway.
+    std::fill(scores.begin() + g * stride + len, scores.begin() + (g + 1) * stride, -1e30f);
+    inv[g] = 1.f / softmax(scores.data() + g * stride, stride);
+  }
+  vf16 acc[P][G][D / 16] = {};
+  for (int64_t n = 0; n < num_blocks; ++n) {
+    if (n + 1 < num_blocks) prefetch_block(vc + (row[n + 1] * kv_heads + h) * D * BS, D * BS);
+    block_values<scalar_t, D, G, P>(scores.data() + n * BS, stride,
+                                    std::min<int64_t>(BS, len - n * BS),
+                                    vc + (row[n] * kv_heads + h) * D * BS, acc);
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c) {
+      vf16 sum = acc[0][g][c];
+      if constexpr (P == 2) sum += acc[1][g][c];
+      llmserve::store16(out + g * D + c * 16, sum * inv[g]);
+    }
+}
+
+// One (sequence, KV head) work item: its `group` query heads, a few per pass.
 template <typename q_t, typename scalar_t, int BS, int D>
 void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
                  int64_t len, int64_t group, int64_t kv_heads, int64_t h, double scale,
                  q_t* out, std::vector<float>& scores) {
-  const int64_t num_blocks = (len + BS - 1) / BS, stride = num_blocks * BS;
-  scores.resize(stride);
-  alignas(64) float qf[D];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int d = 0; d < D; ++d) qf[d] = static_cast<float>(q[g * D + d]) * scale;
-    for (int64_t n = 0; n < num_blocks; ++n) {
-      // The first head brings the blocks into L2; the group's other heads find them there.
-      if (g == 0 && n + 1 < num_blocks)
-        prefetch_block(kc + (row[n + 1] * kv_heads + h) * D * BS, D * BS);
-      head_block_scores<scalar_t, BS, D>(qf, kc + (row[n] * kv_heads + h) * D * BS,
-                                         scores.data() + n * BS);
+  constexpr int most = heads_per_pass<D>();
+  for (int64_t g = 0; g < group; g += most) {
+    const int64_t heads = std::min<int64_t>(most, group - g);
+    const q_t* qg = q + g * D;
+    q_t* og = out + g * D;
+    if (heads == 1)
+      decode_heads<q_t, scalar_t, BS, D, 1>(qg, kc, vc, row, len, kv_heads, h, scale, og, scores);
+    else if (heads == 2)
+      decode_heads<q_t, scalar_t, BS, D, 2>(qg, kc, vc, row, len, kv_heads, h, scale, og, scores);
+    else if constexpr (most == 4) {
+      if (heads == 3)
+        decode_heads<q_t, scalar_t, BS, D, 3>(qg, kc, vc, row, len, kv_heads, h, scale, og, scores);
+      else
+        decode_heads<q_t, scalar_t, BS, D, 4>(qg, kc, vc, row, len, kv_heads, h, scale, og, scores);
     }
-    // Past the end, scores that exp() takes to ~0: the softmax runs over whole
-    // vectors, and the value pass reads only the first `len` weights anyway.
-    std::fill(scores.begin() + len, scores.end(), -1e30f);
-    float sum;
-    softmax_rows(scores.data(), 1, stride, stride, &sum);
-    vf16 acc[D / 16] = {};
-    for (int64_t n = 0; n < num_blocks; ++n) {
-      if (g == 0 && n + 1 < num_blocks)
-        prefetch_block(vc + (row[n + 1] * kv_heads + h) * D * BS, D * BS);
-      head_block_values<scalar_t, D>(scores.data() + n * BS, std::min<int64_t>(BS, len - n * BS),
-                                     vc + (row[n] * kv_heads + h) * D * BS, acc);
-    }
-    const float inv = 1.f / sum;
-    for (int c = 0; c < D / 16; ++c)
-      for (int i = 0; i < 16; ++i) out[g * D + c * 16 + i] = static_cast<q_t>(acc[c][i] * inv);
   }
 }
 

@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
-#include <xmmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace llmserve {
@@ -48,9 +48,14 @@ inline vf16 load16(const T* p) {
   return v;
 }
 
-// bf16 is the top half of an fp32: widen and shift, 16 at a time.
+// bf16 is the top half of an fp32: widen and shift, 16 at a time. GCC splits
+// the generic conversion into two 256-bit halves; AVX-512 widens 16 in one go.
 template <>
 inline vf16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+#else
   typedef uint16_t vu16 __attribute__((vector_size(32), aligned(2)));
   typedef uint32_t vu32 __attribute__((vector_size(64)));
   vu16 half;
@@ -59,6 +64,7 @@ inline vf16 load16(const c10::BFloat16* p) {
   vf16 v;
   std::memcpy(&v, &wide, sizeof(v));
   return v;
+#endif
 }
 
 // fp16 through the CPU's conversion instruction (F16C / AVX-512).
@@ -155,23 +161,40 @@ inline float sum16(vf16 v) {
 }
 
 // e^x within 2 ulp for x in [-87, 88] (clamped outside: e^-87 is ~0 and e^88
-// ~fp32's max): Cephes' expf polynomial on x - n ln2, scaled by 2^n through the
-// exponent bits. Branch-free, so `#pragma omp simd` loops calling it vectorize.
-inline float fast_exp(float x) {
+// ~fp32's max), 16 lanes at once: Cephes' expf polynomial on x - n ln2, scaled
+// by 2^n through the exponent bits. Written on vectors because GCC left a scalar
+// version scalar inside reduction loops (the softmax's sum).
+inline vf16 fast_exp16(vf16 x) {
+  typedef int32_t vi16 __attribute__((vector_size(64)));
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+  const vf16 t = x * 1.44269504088896341f + 0.5f;
+  vf16 n = __builtin_convertvector(__builtin_convertvector(t, vi16), vf16);
+  n = n > t ? n - 1.0f : n;  // truncation to floor
+  const vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return p * (vf16)bits;
+}
+
+// x * sigmoid(x) in place over n floats.
+inline void silu(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const vf16 v = load16(x + i);
+    store16(x + i, v / (1.f + fast_exp16(-v)));
+  }
+  if (i < n) {  // the tail through a zero-padded vector
+    float tail[16] = {};
+    std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    const vf16 v = load16(tail);
+    store16(tail, v / (1.f + fast_exp16(-v)));
+    std::memcpy(x + i, tail, (n - i) * sizeof(float));
+  }
 }
 
 }  // namespace llmserve
