@@ -21,7 +21,7 @@ import sys
 from bench.report import to_markdown, write_results
 from bench.settings import Settings
 
-QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64,
+QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64, single_stream_runs=1,
              concurrency="1,8", baseline_b1_requests=2, large_requests=64,
              accuracy_prompts=8, accuracy_len=32)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -60,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--single-stream-len", type=int, default=d.single_stream_len,
                    help="output tokens of the single-stream request")
+    p.add_argument("--single-stream-runs", type=int, default=d.single_stream_runs,
+                   help="single-stream runs whose median is reported, each system")
     p.add_argument("--concurrency", type=_int_list, default=",".join(map(str, d.concurrency)),
                    help="closed-loop client counts, comma-separated (default: %(default)s)")
     p.add_argument("--serving-requests", type=int, default=d.serving_requests,

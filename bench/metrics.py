@@ -2,6 +2,7 @@
 their summary; the same code measures llmserve and the baseline."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -61,6 +62,11 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
         "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
         "e2e_p50_s": percentile([t.e2e for t in timings], 50),
     }
+
+
+def median_summary(runs: list[dict]) -> dict:
+    """Each figure's median over repeated runs of one measurement."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def single_stream_summary(timing: RequestTiming) -> dict:

@@ -132,7 +132,8 @@ def _single(results: dict) -> list[str]:
     s, row = results["settings"], results["single_stream"]
     cols = floor_itl(columns(results, "hf_single_stream", "single_stream", "single_stream"))
     return [f"## Single-stream decode: 1 request, {s['prompt_len']} prompt + "
-            f"{s['single_stream_len']} output tokens, in process", "",
+            f"{s['single_stream_len']} output tokens, in process; each figure the median "
+            f"of {s.get('single_stream_runs', 1)} runs", "",
             *table(["figure", "llmserve", *(c for c, _ in cols)],
                    figure_rows(row, cols, SINGLE_FIGURES))]
 

@@ -14,6 +14,7 @@ import time
 
 from bench import prompts as P
 from bench.machine import bf16_native, load_average, machine_info
+from bench.metrics import median_summary
 from bench.progress import Phases
 from bench.ratios import add_ratios
 from bench.settings import Settings
@@ -95,10 +96,12 @@ def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
                 llm, P.make_prompts(s.large_requests, s.prompt_len, vocab, s.seed,
                                     P.OFFLINE_LARGE), s.output_len)
             phases.note = _tok_s(results["offline_large"])
-    with phases(f"single stream: {s.single_stream_len} tokens"):
-        results["single_stream"] = offline.run_single_stream(
-            llm, P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0],
-            s.single_stream_len)
+    with phases(f"single stream: {s.single_stream_len} tokens, median of "
+                f"{s.single_stream_runs} runs"):
+        prompt = P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0]
+        results["single_stream"] = median_summary(
+            [offline.run_single_stream(llm, prompt, s.single_stream_len)
+             for _ in range(s.single_stream_runs)])
         phases.note = _tok_s(results["single_stream"])
 
 

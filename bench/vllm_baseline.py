@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from bench import prompts as P
-from bench.metrics import RequestTiming, percentile, single_stream_summary
+from bench.metrics import RequestTiming, median_summary, percentile, single_stream_summary
 from bench.settings import Settings
 from bench.vllm_env import VllmEnv, VllmUnavailable, runtime_env
 
@@ -32,7 +32,7 @@ def make_spec(s: Settings, model_dir: str) -> dict:
             "offline_large": (P.make_prompts(s.large_requests, s.prompt_len, vocab, s.seed,
                                              P.OFFLINE_LARGE) if s.large_requests else []),
             "single_stream": P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0],
-            "single_stream_len": s.single_stream_len}
+            "single_stream_len": s.single_stream_len, "single_stream_runs": s.single_stream_runs}
 
 
 def offline_row(raw: dict) -> dict:
@@ -51,7 +51,7 @@ def single_stream_row(raw: dict) -> dict:
 
 def summarize(raw: dict) -> dict:
     out = {"meta": raw["meta"], "phases": raw["phases"], "offline": offline_row(raw["offline"]),
-           "single_stream": single_stream_row(raw["single_stream"])}
+           "single_stream": median_summary([single_stream_row(r) for r in raw["single_stream"]])}
     if "offline_large" in raw:
         out["offline_large"] = offline_row(raw["offline_large"])
     return out

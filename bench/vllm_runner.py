@@ -53,7 +53,7 @@ def offline(llm, prompts: list[list[int]], output_len: int) -> dict:
             "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)}
 
 
-def single_stream(llm, prompt: list[int], output_len: int) -> dict:
+def single_stream(llm, prompt: list[int], output_len: int, request_id: str) -> dict:
     """One request alone, timing every token. vLLM 0.32's LLMEngine (llm.llm_engine)
     has the add_request/step loop of llmserve's LLMEngine; with DELTA output each
     step returns the tokens that step made, so each arrival is timed as it happens
@@ -61,7 +61,7 @@ def single_stream(llm, prompt: list[int], output_len: int) -> dict:
     engine = llm.llm_engine
     chunks: list[tuple[float, int]] = []
     start = time.perf_counter()
-    engine.add_request("single-stream", {"prompt_token_ids": prompt},
+    engine.add_request(request_id, {"prompt_token_ids": prompt},
                        greedy(output_len, delta=True))
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -113,9 +113,11 @@ def run(spec: dict) -> dict:
         result["offline_large"] = _timed(
             phases, f"offline, {len(spec['offline_large'])} requests", offline, llm,
             spec["offline_large"], spec["output_len"])
-    result["single_stream"] = _timed(
-        phases, f"single stream, {spec['single_stream_len']} tokens", single_stream, llm,
-        spec["single_stream"], spec["single_stream_len"])
+    result["single_stream"] = [
+        _timed(phases, f"single stream {i + 1}, {spec['single_stream_len']} tokens",
+               single_stream, llm, spec["single_stream"], spec["single_stream_len"],
+               f"single-stream-{i}")
+        for i in range(spec["single_stream_runs"])]
     return result
 
 

@@ -94,21 +94,28 @@ def test_runtime_env_without_preloads(monkeypatch):
 
 def test_spec_carries_the_benchs_own_prompts(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 500}))
-    s = Settings(requests=3, prompt_len=5, output_len=4, large_requests=6, single_stream_len=7)
+    s = Settings(requests=3, prompt_len=5, output_len=4, large_requests=6, single_stream_len=7,
+                 single_stream_runs=3)
     spec = vllm_baseline.make_spec(s, str(tmp_path))
     assert spec["offline"] == P.make_prompts(3, 5, 500, s.seed, P.OFFLINE)
     assert spec["offline_large"] == P.make_prompts(6, 5, 500, s.seed, P.OFFLINE_LARGE)
     assert spec["single_stream"] == P.make_prompts(1, 5, 500, s.seed, P.SINGLE_STREAM)[0]
     assert not set(map(tuple, spec["offline"])) & set(map(tuple, spec["offline_large"]))
     assert (spec["output_len"], spec["single_stream_len"], spec["dtype"]) == (4, 7, "float32")
+    assert spec["single_stream_runs"] == 3
     json.dumps(spec)  # it goes to the runner as JSON
 
 
 def test_raw_runner_output_is_summarized_like_llmserves():
     raw = {"meta": {"vllm": "0.32.0"}, "phases": {"load": 1.0},
            "offline": {"requests": 2, "seconds": 2.0, "prompt_tokens": 16, "output_tokens": 8},
-           "single_stream": {"start": 10.0, "chunks": [[10.5, 1], [10.6, 1], [10.8, 2]],
-                             "end": 10.8}}
+           # Three runs; the summary takes each figure's median (ttft 0.5 of 0.3/0.5/0.9).
+           "single_stream": [{"start": 10.0, "chunks": [[10.5, 1], [10.6, 1], [10.8, 2]],
+                              "end": 10.8},
+                             {"start": 20.0, "chunks": [[20.9, 1], [21.3, 1], [21.7, 2]],
+                              "end": 21.7},
+                             {"start": 30.0, "chunks": [[30.3, 1], [30.35, 1], [30.45, 2]],
+                              "end": 30.45}]}
     out = vllm_baseline.summarize(raw)
     assert out["offline"]["output_tok_s"] == 4.0 and out["offline"]["total_tok_s"] == 12.0
     single = out["single_stream"]
