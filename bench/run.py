@@ -98,10 +98,12 @@ def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
             phases.note = _tok_s(results["offline_large"])
     with phases(f"single stream: {s.single_stream_len} tokens, median of "
                 f"{s.single_stream_runs} runs"):
-        prompt = P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0]
+        # One prompt per run, the runs' prompts as vLLM's (a repeated prompt would
+        # hit the prefix cache).
+        prompts = P.make_prompts(s.single_stream_runs, s.prompt_len, vocab, s.seed,
+                                 P.SINGLE_STREAM)
         results["single_stream"] = median_summary(
-            [offline.run_single_stream(llm, prompt, s.single_stream_len)
-             for _ in range(s.single_stream_runs)])
+            [offline.run_single_stream(llm, prompt, s.single_stream_len) for prompt in prompts])
         phases.note = _tok_s(results["single_stream"])
 
 

@@ -31,8 +31,10 @@ def make_spec(s: Settings, model_dir: str) -> dict:
             "offline": P.make_prompts(s.requests, s.prompt_len, vocab, s.seed, P.OFFLINE),
             "offline_large": (P.make_prompts(s.large_requests, s.prompt_len, vocab, s.seed,
                                              P.OFFLINE_LARGE) if s.large_requests else []),
-            "single_stream": P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0],
-            "single_stream_len": s.single_stream_len, "single_stream_runs": s.single_stream_runs}
+            # One prompt per run: a repeated prompt would hit llmserve's prefix cache.
+            "single_stream": P.make_prompts(s.single_stream_runs, s.prompt_len, vocab, s.seed,
+                                            P.SINGLE_STREAM),
+            "single_stream_len": s.single_stream_len}
 
 
 def offline_row(raw: dict) -> dict:

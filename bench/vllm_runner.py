@@ -115,9 +115,8 @@ def run(spec: dict) -> dict:
             spec["offline_large"], spec["output_len"])
     result["single_stream"] = [
         _timed(phases, f"single stream {i + 1}, {spec['single_stream_len']} tokens",
-               single_stream, llm, spec["single_stream"], spec["single_stream_len"],
-               f"single-stream-{i}")
-        for i in range(spec["single_stream_runs"])]
+               single_stream, llm, prompt, spec["single_stream_len"], f"single-stream-{i}")
+        for i, prompt in enumerate(spec["single_stream"])]
     return result
 
 
