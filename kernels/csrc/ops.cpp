@@ -17,6 +17,8 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor gemv_16bit_weights(torch::Tensor x, torch::Tensor weight);
+bool amx_bf16_available();
+torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed);
 
 TORCH_LIBRARY(llmserve, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, "
@@ -29,6 +31,8 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("gemv_16bit_weights(Tensor x, Tensor weight) -> Tensor");
+  m.def("amx_bf16_available() -> bool");
+  m.def("amx_bf16_linear(Tensor x, Tensor packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
@@ -40,4 +44,10 @@ TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gemv_16bit_weights", &gemv_16bit_weights);
+  m.impl("amx_bf16_linear", &amx_bf16_linear);
+}
+
+// No tensor arguments to dispatch on: one kernel for every backend.
+TORCH_LIBRARY_IMPL(llmserve, CompositeExplicitAutograd, m) {
+  m.impl("amx_bf16_available", &amx_bf16_available);
 }

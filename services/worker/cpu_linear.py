@@ -4,6 +4,10 @@
   weights reordered once into its blocked layout, as vLLM-CPU does. Measured here
   (AMX): +40-60% at 64-2048 rows, and one row streams the weights at ~20 GB/s
   where F.linear reaches ~10.
+- bf16 models on CPUs with AMX: steps of at most AMX_MAX_ROWS rows (decodes) go
+  through our AMX kernel (kernels/csrc/amx_linear.cpp), with the weights packed
+  once into its tile layout; prefills keep oneDNN, which is faster from a few
+  hundred rows. The AMX copy costs as much memory as the weights.
 - fp32 models with 16-bit weights (`--weight-dtype bfloat16`, for CPUs without
   bf16 units): the weights are also kept in bf16; steps of at most
   GEMV_MAX_ROWS rows (decodes of a few sequences, bound by reading the weights)
@@ -36,6 +40,12 @@ GEMV_MAX_ROWS = 8
 PACKED_ROWS = range(3, 97)
 # oneDNN lays packed weights out for a batch size; any batch size then works.
 _PACK_BATCH_HINT = 64
+# Up to this many rows our AMX kernel beats oneDNN (all model weights, one row
+# set per step, alternating in one process: 1.1-1.7x at 32-96 rows, equal at 1-16
+# and 128; 0.3x at 2048, where x no longer stays in cache).
+AMX_MAX_ROWS = 128
+# amx_bf16_linear's block: 32 output columns, K in steps of 32.
+_AMX_BLOCK = 32
 
 
 class OneDNNWeights:
@@ -46,6 +56,29 @@ class OneDNNWeights:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class AMXWeights:
+    """x W^T for bf16 models on AMX CPUs: our kernel for decode steps, oneDNN above."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.onednn = OneDNNWeights(weight)
+        self.packed = pack_amx_weight(weight.detach())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= AMX_MAX_ROWS:
+            return torch.ops.llmserve.amx_bf16_linear(x, self.packed)
+        return self.onednn(x)
+
+
+def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> amx_bf16_linear's layout [N/32, K/32, 1024]: for each block of
+    32 output columns and each step of 32 along K, two weight tiles of 16 columns,
+    each 16 rows of K pairs (the VNNI layout: W[n, 2r] and W[n, 2r + 1] side by
+    side in row r), so a block's weights are one contiguous stream."""
+    n, k = weight.shape
+    tiles = weight.reshape(n // 32, 2, 16, k // 32, 16, 2)  # [nb, tile, col, kb, pair, 2]
+    return tiles.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(n // 32, k // 32, 1024)
 
 
 class MKLPackedWeights:
@@ -99,7 +132,11 @@ def prepare_cpu_linears(model: nn.Module, dtype: torch.dtype,
                         weight_dtype: torch.dtype | None) -> str:
     """Sets `cpu_weights` on every linear layer that has a faster CPU path; returns
     the name of the path chosen."""
-    if dtype in (torch.bfloat16, torch.float16) and _onednn_has(dtype):
+    if dtype == torch.bfloat16 and _onednn_has(dtype) and _amx_available():
+        make = lambda weight: (AMXWeights(weight) if _fits_amx_blocks(weight)  # noqa: E731
+                               else OneDNNWeights(weight))
+        path = f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
+    elif dtype in (torch.bfloat16, torch.float16) and _onednn_has(dtype):
         make = OneDNNWeights
         path = "oneDNN prepacked"
     elif dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
@@ -126,6 +163,14 @@ def _onednn_has(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def _amx_available() -> bool:
+    return cpu_ops_available() and torch.ops.llmserve.amx_bf16_available()
+
+
+def _fits_amx_blocks(weight: torch.Tensor) -> bool:
+    return all(size % _AMX_BLOCK == 0 for size in weight.shape)
 
 
 def _mkl_packing_available() -> bool:

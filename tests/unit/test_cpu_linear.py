@@ -1,12 +1,13 @@
-"""The CPU linear paths: the 16-bit-weight GEMV kernel against its definition,
-and each layer set-up of cpu_linear against F.linear."""
+"""The CPU linear paths: the 16-bit-weight GEMV and AMX kernels against their
+definitions, and each layer set-up of cpu_linear against F.linear."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
-from services.worker.cpu_linear import GEMV_MAX_ROWS, matmul, prepare_cpu_linears
+from services.worker.cpu_linear import (AMX_MAX_ROWS, GEMV_MAX_ROWS, AMXWeights, matmul,
+                                        pack_amx_weight, prepare_cpu_linears)
 from services.worker.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 
@@ -25,6 +26,39 @@ def test_gemv_reads_16bit_weights_with_fp32_sums(rows, weight_dtype, k):
     got = torch.ops.llmserve.gemv_16bit_weights(x, weight)
     want = F.linear(x.double(), weight.double()).float()  # the exact sums of the same values
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_amx_packing_follows_its_documented_layout():
+    n, k = 64, 96
+    weight = torch.randn(n, k)
+    packed = pack_amx_weight(weight)
+    assert packed.shape == (n // 32, k // 32, 1024)
+    for nb, kb, tile, r, c, j in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 15, 15, 1), (1, 0, 0, 3, 7, 1),
+                                  (0, 1, 1, 9, 2, 0)]:
+        want = weight[nb * 32 + tile * 16 + c, kb * 32 + 2 * r + j]
+        assert packed[nb, kb, tile * 512 + r * 32 + c * 2 + j] == want
+
+
+def _amx_or_skip():
+    if not torch.ops.llmserve.amx_bf16_available():
+        pytest.skip("this CPU (or the kernels' build) has no AMX-BF16")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 32, 33, 64, 100, AMX_MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (64, 1536)])
+def test_amx_linear_sums_in_fp32_and_rounds_once_to_bf16(rows, n, k):
+    _amx_or_skip()
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    got = torch.ops.llmserve.amx_bf16_linear(x, pack_amx_weight(weight))
+    exact = F.linear(x.double(), weight.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # One rounding of (nearly) exact sums: within half a bf16 step, so equal to
+    # the rounded exact result except where fp32 sums land across a rounding edge.
+    torch.testing.assert_close(got.double(), exact, rtol=2.0 ** -8, atol=1e-6)
+    if rows:
+        assert (got == exact.to(torch.bfloat16)).float().mean() > 0.99
 
 
 class Tiny(nn.Module):
@@ -57,14 +91,22 @@ def test_sixteen_bit_weights_serve_few_rows_and_fp32_weights_the_rest():
 def test_sixteen_bit_models_use_prepacked_onednn_where_native():
     model = Tiny().to(torch.bfloat16)
     x = torch.randn(64, 64, dtype=torch.bfloat16)
-    expected = model(x)
+    many = torch.randn(AMX_MAX_ROWS + 20, 64, dtype=torch.bfloat16)  # oneDNN's side
+    expected, expected_many = model(x), model(many)
     path = prepare_cpu_linears(model, torch.bfloat16, None)
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert path == "F.linear"
         return
-    assert path == "oneDNN prepacked"
+    if torch.ops.llmserve.amx_bf16_available():
+        assert path.startswith("AMX")
+        # 96 x 64 and 64 x 96 fill whole AMX blocks; the 300-row head does not.
+        assert isinstance(model.a.cpu_weights, AMXWeights)
+        assert not isinstance(model.head.cpu_weights, AMXWeights)
+    else:
+        assert path == "oneDNN prepacked"
     for rows in (1, 3, 64):
         torch.testing.assert_close(model(x[:rows]), expected[:rows], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(model(many), expected_many, rtol=2e-2, atol=2e-2)
     assert matmul(model.a, x[None, :2]).shape == (1, 2, 96)  # leading dims kept
 
 
