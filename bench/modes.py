@@ -68,7 +68,8 @@ def run_one(s: Settings, model_dir: str, phases: Phases, results: dict, name: st
     # The offline set drawn longer has the offline prompts as its first rows.
     prompts = P.make_prompts(s.accuracy_prompts, s.prompt_len, vocab, s.seed, P.OFFLINE)
     with phases(f"modes: {name}: load, greedy and logits probe"):
-        llm = LLM(model_dir, kv_cache_gib=s.kv_cache_gib, max_model_len=s.max_model_len, **args)
+        llm = offline.load_llm(model_dir, kv_cache_gib=s.kv_cache_gib,
+                               max_model_len=s.max_model_len, **args)
         got = probe(llm, prompts, s.accuracy_len)
         row: dict = {"args": args}
         if reference is not None:

@@ -9,8 +9,12 @@ from bench.prompts import greedy
 from llmserve.llm import LLM
 
 
-def load_llm(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len: int) -> LLM:
-    return LLM(model_dir, dtype=dtype, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
+def load_llm(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len: int,
+             **mode_args) -> LLM:
+    """Prefix caching off, as vLLM runs in the same bench (vllm_runner): the prompts
+    are distinct, but a setting that differs could hide a cache hit."""
+    return LLM(model_dir, dtype=dtype, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+               enable_prefix_caching=False, **mode_args)
 
 
 def warm_up(llm: LLM, prompts: list[list[int]]) -> None:
