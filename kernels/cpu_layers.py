@@ -69,7 +69,8 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] fp32 -> the first index of each row's maximum (int64)."""
-    if logits.dtype == torch.float32 and logits.dim() == 2 and use_cpu_ops(logits):
+    """[rows, vocab] floats (fp32 or 16-bit) -> the first index of each row's
+    maximum (int64)."""
+    if logits.dim() == 2 and use_cpu_ops(logits):
         return torch.ops.llmserve.argmax_rows(logits)
     return logits.argmax(dim=-1)

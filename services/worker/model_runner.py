@@ -151,7 +151,8 @@ class ModelRunner:
         targets = np.concatenate([batch.token_ids[row, start + 1:end + 1]
                                   for _, row, _, start, end, _ in wanted])
         num_top = [k for _, _, k, start, end, _ in wanted for _ in range(end - start)]
-        logprobs = self.model.compute_logits(hidden[torch.from_numpy(hidden_idx)]).log_softmax(-1)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(hidden_idx)])
+        logprobs = logits.float().log_softmax(-1)
         results = gather_logprobs(logprobs, torch.from_numpy(targets), num_top)
         out, offset = {}, 0
         for request_id, _, _, start, end, _ in wanted:

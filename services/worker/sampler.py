@@ -46,11 +46,22 @@ class SamplingMetadata:
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every row takes its argmax with nothing else to compute: no
+        logprobs, bias or penalties (masks only set -inf, exact in any dtype)."""
+        return (self.all_greedy and not self.num_logprobs and self.logit_bias is None
+                and self.repetition_penalty is None)
+
 
 class Sampler:
     def __call__(self, logits: torch.Tensor,
                  meta: SamplingMetadata) -> tuple[torch.Tensor, list[Logprobs | None]]:
-        """logits: [B, V] fp32 -> token ids [B] and, per row, its logprobs (or None)."""
+        """logits: [B, V] -> token ids [B] and, per row, its logprobs (or None)."""
+        if not meta.argmax_only:
+            # Logprobs, bias, penalties and draws run in fp32 (as vLLM's do); an
+            # argmax compares 16-bit logits exactly, without a copy of [B, V] fp32.
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.num_logprobs else None
         if meta.disallowed_mask is not None:
             logits = logits.masked_fill(meta.disallowed_mask, float("-inf"))

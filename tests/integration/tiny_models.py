@@ -48,7 +48,7 @@ def step_logits(runner: ModelRunner, so: SchedulerOutput) -> dict[str, torch.Ten
     step = runner.input_batch.prepare(so)
     with torch.inference_mode():
         logits = runner.model.compute_logits(
-            runner.model(step.input_ids, step.positions, step.attn_metadata))
+            runner.model(step.input_ids, step.positions, step.attn_metadata)).float()
     qsl = step.attn_metadata.query_start_loc
     return {r: logits[qsl[i]:qsl[i + 1]] for i, r in enumerate(so.num_scheduled_tokens)}
 

@@ -71,16 +71,23 @@ def test_silu_and_mul(dtype, width):
     close(L.silu_and_mul(gate_up), L.silu_and_mul_reference(gate_up), dtype)
 
 
-def test_argmax_rows_is_torch_argmax_ties_included():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torch_argmax_ties_included(dtype):
+    """16-bit logits (a 16-bit model's greedy step) give the argmax of their exact
+    fp32 widening; bf16 rounding makes ties common, so the first-index rule is
+    exercised throughout."""
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(37, 49152, generator=gen)
     logits[3, [10, 20000, 40000]] = 50.0  # a tie: the first index wins
     logits[5, :] = 1.0
     logits[6, [49151, 49150]] = 60.0  # in the tail past the last whole vector
     logits[7, [17, 1]] = 70.0  # same lane order reversed
+    logits = logits.to(dtype)
     got = L.argmax_rows(logits)
-    assert torch.equal(got, logits.argmax(-1))
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.float().argmax(-1))
     assert got[3] == 10 and got[5] == 0 and got[6] == 49150 and got[7] == 1
-    odd = torch.randn(5, 49157, generator=gen)  # a tail of 5
+    odd = torch.randn(5, 49157, generator=gen).to(dtype)  # a tail of 5
     odd[2, -1] = 99.0
-    assert torch.equal(L.argmax_rows(odd), odd.argmax(-1))
+    odd[4, [3, 49156]] = 99.0  # a tie between a vector lane and the tail
+    assert torch.equal(L.argmax_rows(odd), odd.float().argmax(-1))

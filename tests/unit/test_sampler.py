@@ -39,6 +39,24 @@ def test_greedy_is_argmax_and_logprobs_are_log_softmax():
         assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(lp.top_logprobs, top.values))
 
 
+def test_bf16_logits_give_the_tokens_and_logprobs_of_their_fp32_widening():
+    """A 16-bit model hands its logits over unconverted: greedy rows take the
+    argmax directly, anything more runs on an fp32 copy."""
+    logits = (torch.randn(64, 300) * 3).to(torch.bfloat16)
+    widened = logits.float()
+    greedy = metadata(64, temperature=0.0)
+    assert greedy.argmax_only
+    tokens, logprobs = Sampler()(logits.clone(), greedy)
+    assert torch.equal(tokens, widened.argmax(-1)) and logprobs == [None] * 64
+    with_logprobs = metadata(64, temperature=0.0, num_logprobs=[1] * 64)
+    assert not with_logprobs.argmax_only
+    tokens, logprobs = Sampler()(logits.clone(), with_logprobs)
+    reference = torch.log_softmax(widened.double(), -1)
+    assert torch.equal(tokens, widened.argmax(-1))
+    assert all(math.isclose(lp.logprob, reference[i, tokens[i]], abs_tol=1e-5)
+               for i, lp in enumerate(logprobs))
+
+
 def test_rank_of_a_sampled_token():
     logits = torch.randn(1, V)
     _, [lp] = Sampler()(logits.clone(), metadata(1, temperature=5.0, num_logprobs=[2]))
