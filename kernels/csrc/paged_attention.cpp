@@ -23,23 +23,24 @@
 
 namespace {
 
+// k, v: [T, KV, D] with each token's heads contiguous (token stride free: they
+// are usually views into the fused qkv projection's output).
 template <typename scalar_t>
 void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& key_cache,
                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
   const int64_t T = k.size(0), KV = k.size(1), D = k.size(2);
-  const int64_t bs = key_cache.size(3);
+  const int64_t bs = key_cache.size(3), k_stride = k.stride(0), v_stride = v.stride(0);
   const scalar_t* kp = k.data_ptr<scalar_t>();
   const scalar_t* vp = v.data_ptr<scalar_t>();
   scalar_t* kc = key_cache.data_ptr<scalar_t>();
   scalar_t* vc = value_cache.data_ptr<scalar_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    llmserve::FlushDenormals flush;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = slots[t] / bs, offset = slots[t] % bs;
       for (int64_t h = 0; h < KV; ++h) {
-        const scalar_t* ksrc = kp + (t * KV + h) * D;
-        const scalar_t* vsrc = vp + (t * KV + h) * D;
+        const scalar_t* ksrc = kp + t * k_stride + h * D;
+        const scalar_t* vsrc = vp + t * v_stride + h * D;
         scalar_t* kdst = kc + (block * KV + h) * D * bs + offset;
         scalar_t* vdst = vc + ((block * KV + h) * bs + offset) * D;
         for (int64_t d = 0; d < D; ++d) kdst[d * bs] = ksrc[d];
@@ -197,7 +198,7 @@ template <typename q_t, typename scalar_t, int BS, int D>
 void decode_impl(const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
                  const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const int64_t B = query.size(0), H = query.size(1);
+  const int64_t B = query.size(0), H = query.size(1), q_stride = query.stride(0);
   const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
   const q_t* q = query.data_ptr<q_t>();
   const scalar_t* kc = key_cache.data_ptr<scalar_t>();
@@ -209,9 +210,9 @@ void decode_impl(const torch::Tensor& query, const torch::Tensor& key_cache,
     llmserve::FlushDenormals flush;
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KV, h = item % KV, first = (b * H + h * group) * D;
-      decode_item<q_t, scalar_t, BS, D>(q + first, kc, vc, table + b * max_blocks, lens[b], group,
-                                        KV, h, scale, o + first, scores);
+      const int64_t b = item / KV, h = item % KV, head = h * group * D;
+      decode_item<q_t, scalar_t, BS, D>(q + b * q_stride + head, kc, vc, table + b * max_blocks,
+                                        lens[b], group, KV, h, scale, o + b * H * D + head, scores);
     }
   });
 }
@@ -243,14 +244,22 @@ void decode_dispatch(const torch::Tensor& q, const torch::Tensor& kc, const torc
   }
 }
 
+// [T, heads, D] with each token's heads contiguous, as the kernels read them (any
+// token stride): a copy only when that does not hold already.
+torch::Tensor heads_contiguous(const torch::Tensor& x) {
+  const bool ok = x.stride(2) == 1 && x.stride(1) == x.size(2);
+  return ok ? x : x.contiguous();
+}
+
 }  // namespace
 
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
                     torch::Tensor value_cache, torch::Tensor slot_mapping) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
-  // A 16-bit cache under an fp32 model takes rounded K/V.
-  k = k.to(key_cache.scalar_type()).contiguous();
-  v = v.to(value_cache.scalar_type()).contiguous();
+  // A 16-bit cache under an fp32 model takes rounded K/V. Otherwise no copy: the
+  // kernel reads k and v in place, views into the qkv projection.
+  k = heads_contiguous(k.to(key_cache.scalar_type()));
+  v = heads_contiguous(v.to(value_cache.scalar_type()));
   slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache",
                                   [&] {
@@ -264,10 +273,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0,
               "query heads must be a multiple of KV heads");
-  query = query.contiguous();
+  query = heads_contiguous(query);
   block_table = block_table.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(query);
+  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const auto cache_type = key_cache.scalar_type();
   if (query.scalar_type() == cache_type) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "paged_decode_attention",

@@ -92,3 +92,28 @@ def test_sixteen_bit_cache_under_an_fp32_query(cache_dtype):
                                             0.125)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_read_q_k_v_in_place_as_views_of_the_fused_projection(dtype):
+    """In the model q, k and v are column slices of one [T, (H + 2 KV) * D] qkv
+    output: the kernels take their token stride as it is, without copies, and
+    give what the references give on contiguous copies."""
+    gen = torch.Generator().manual_seed(11)
+    batch, heads, kv_heads, d, block_size, num_blocks = 6, 9, 3, 64, 16, 48
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q, k, v = (part.view(batch, -1, d) for part in
+               qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    assert not k.is_contiguous()
+    key_cache, value_cache = _caches(num_blocks, block_size, kv_heads, d, dtype, gen)
+    expected = (key_cache.clone(), value_cache.clone())
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:batch]
+    write_kv_cache(k, v, key_cache, value_cache, slots)
+    write_kv_cache_reference(k.contiguous(), v.contiguous(), *expected, slots)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+    seq_lens = torch.tensor([40, 1, 17, 64, 33, 5])
+    block_table = torch.randperm(num_blocks, generator=gen)[:batch * 4].reshape(batch, 4)
+    got = paged_decode_attention(q, key_cache, value_cache, block_table, seq_lens, 0.125)
+    want = paged_decode_attention(q.contiguous(), key_cache, value_cache, block_table, seq_lens,
+                                  0.125)
+    assert got.is_contiguous() and torch.equal(got, want)
