@@ -79,7 +79,7 @@ inline void block_scores(const float* q, const scalar_t* kblock, float* scores, 
     for (int g = 0; g < G; ++g) {
       vf16 sum = acc[g][0];
       for (int a = 1; a < A; ++a) sum += acc[g][a];
-      std::memcpy(scores + g * stride + c, &sum, sizeof(sum));
+      llmserve::store16(scores + g * stride + c, sum);
     }
   }
 }
