@@ -3,20 +3,15 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
 import torch
 import transformers
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from services.worker.cpu_info import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def bf16_native() -> bool:

@@ -13,14 +13,19 @@
   GEMV_MAX_ROWS rows (decodes of a few sequences, bound by reading the weights)
   read those through the GEMV kernel with fp32 activations and sums; bigger steps
   (compute-bound) use the fp32 weights.
-- fp32: MKL with weights packed once (cblas_sgemm_pack, torch's `_mkl_linear`,
-  what inductor's freezing uses on the CPU). Against F.linear, which packs the
-  weight inside every call: 1.2x at 64-96 rows, 1.4-1.9x at 4-32 rows (measured
-  here, AMX Xeon, 30 distinct weights per shape): the rows of decode steps. At one
-  or two rows the two are equal, and from 128 rows (prefills) neither wins
-  consistently (0.98-1.2x, and a 128-token prefill's TTFT was 9-12% slower in two
-  A/B rounds); F.linear keeps those. The packed copy costs as much memory as the
-  weights.
+- fp32 on Intel CPUs: MKL with weights packed once (cblas_sgemm_pack, torch's
+  `_mkl_linear`, what inductor's freezing uses on the CPU). Against F.linear,
+  which packs the weight inside every call: 1.2x at 64-96 rows, 1.4-1.9x at 4-32
+  rows (measured here, AMX Xeon, 30 distinct weights per shape): the rows of
+  decode steps. At one or two rows the two are equal, and from 128 rows
+  (prefills) neither wins consistently (0.98-1.2x, and a 128-token prefill's TTFT
+  was 9-12% slower in two A/B rounds); F.linear keeps those. oneDNN's fp32 path
+  did not beat F.linear there. The packed copy costs as much memory as the weights.
+- fp32 on other CPUs: oneDNN with weights reordered once, for every row count.
+  MKL runs its generic code paths on them: on a Zen 4 EPYC (AVX-512), all of
+  SmolLM2's weights took 45 ms at one row through F.linear and 25 through oneDNN,
+  160 against 91 ms at 64 rows, 504 against 381 at 256 (GFLOP/s 6 -> 11,
+  107 -> 189, 137 -> 181); MKL's pack was no faster than F.linear there.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
+from services.worker.cpu_info import cpu_is_intel
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +55,7 @@ _AMX_BLOCK = 32
 
 
 class OneDNNWeights:
-    """x W^T with W prepacked by oneDNN (16-bit models)."""
+    """x W^T with W prepacked by oneDNN (16-bit models; fp32 ones off Intel CPUs)."""
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
@@ -112,11 +118,23 @@ class SixteenBitWeights:
 
 
 def fp32_weights(weight: torch.Tensor):
-    """The fastest x W^T for an fp32 weight here: MKL-packed, or F.linear."""
-    if _mkl_packing_available():
+    """The fastest x W^T for an fp32 weight on this CPU (module docstring)."""
+    path = fp32_path()
+    if path == "MKL prepacked":
         return MKLPackedWeights(weight)
+    if path == "oneDNN prepacked":
+        return OneDNNWeights(weight)
     detached = weight.detach()
     return lambda x: F.linear(x, detached)
+
+
+def fp32_path() -> str:
+    """Which of fp32_weights' paths this CPU takes."""
+    if cpu_is_intel() and mkl_packing_available():
+        return "MKL prepacked"
+    if not cpu_is_intel() and torch.backends.mkldnn.is_available():
+        return "oneDNN prepacked"
+    return "F.linear"
 
 
 def matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -132,19 +150,18 @@ def prepare_cpu_linears(model: nn.Module, dtype: torch.dtype,
                         weight_dtype: torch.dtype | None) -> str:
     """Sets `cpu_weights` on every linear layer that has a faster CPU path; returns
     the name of the path chosen."""
-    if dtype == torch.bfloat16 and _onednn_has(dtype) and _amx_available():
+    if dtype == torch.bfloat16 and onednn_native(dtype) and _amx_available():
         make = lambda weight: (AMXWeights(weight) if _fits_amx_blocks(weight)  # noqa: E731
                                else OneDNNWeights(weight))
         path = f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
-    elif dtype in (torch.bfloat16, torch.float16) and _onednn_has(dtype):
+    elif dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         make = OneDNNWeights
         path = "oneDNN prepacked"
     elif dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
         make = lambda weight: SixteenBitWeights(weight, weight_dtype)  # noqa: E731
         path = f"{str(weight_dtype).removeprefix('torch.')} weights for <= {GEMV_MAX_ROWS} rows"
-    elif dtype == torch.float32 and _mkl_packing_available():
-        make = MKLPackedWeights
-        path = "MKL prepacked"
+    elif dtype == torch.float32 and fp32_path() != "F.linear":
+        make, path = fp32_weights, fp32_path()
     else:
         return "F.linear"
     for layer in linear_layers(model):
@@ -157,7 +174,7 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (nn.Linear, ParallelLMHead))]
 
 
-def _onednn_has(dtype: torch.dtype) -> bool:
+def onednn_native(dtype: torch.dtype) -> bool:
     """Whether this CPU computes `dtype` natively in oneDNN (otherwise it emulates it,
     slower than fp32)."""
     if dtype == torch.bfloat16:
@@ -173,5 +190,5 @@ def _fits_amx_blocks(weight: torch.Tensor) -> bool:
     return all(size % _AMX_BLOCK == 0 for size in weight.shape)
 
 
-def _mkl_packing_available() -> bool:
+def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")

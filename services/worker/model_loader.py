@@ -14,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PreTrainedConfig
 
 from services.common.model_store import find_gguf
+from services.worker.cpu_info import cpu_flags
 from services.worker.parallel import SINGLE, TensorParallel
 from services.worker.models import model_class_for
 
@@ -27,12 +28,7 @@ Weights = Iterator[tuple[str, torch.Tensor]]
 
 def cpu_has_bf16() -> bool:
     """True when the CPU computes bf16 natively (AMX or AVX512-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
-from services.worker.cpu_linear import (AMX_MAX_ROWS, GEMV_MAX_ROWS, AMXWeights, matmul,
-                                        pack_amx_weight, prepare_cpu_linears)
+from services.worker import cpu_linear
+from services.worker.cpu_linear import (AMX_MAX_ROWS, GEMV_MAX_ROWS, AMXWeights, fp32_path,
+                                        matmul, pack_amx_weight, prepare_cpu_linears)
 from services.worker.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 
@@ -84,7 +85,7 @@ def test_sixteen_bit_weights_serve_few_rows_and_fp32_weights_the_rest():
                              for k, v in model.state_dict().items()})  # biases stay fp32
     few = x[:GEMV_MAX_ROWS]
     torch.testing.assert_close(model(few), rounded(few), rtol=1e-5, atol=1e-5)  # 16-bit weights
-    # Many rows: the fp32 weights (MKL-packed: equal up to the order of the sums).
+    # Many rows: the fp32 weights (prepacked: equal up to the order of the sums).
     torch.testing.assert_close(model(x), exact, rtol=1e-6, atol=1e-6)
 
 
@@ -110,25 +111,43 @@ def test_sixteen_bit_models_use_prepacked_onednn_where_native():
     assert matmul(model.a, x[None, :2]).shape == (1, 2, 96)  # leading dims kept
 
 
-def test_fp32_models_use_mkl_packed_weights_for_any_row_count():
-    """The weights are packed once (for 64 rows) and serve every row count in
-    PACKED_ROWS, equal to F.linear up to the order of the sums; other row counts
-    take F.linear itself."""
+def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
+    """The weights are packed once (for 64 rows) and serve every row count, equal to
+    F.linear up to the order of the sums (MKL's pack: the rows in PACKED_ROWS; other
+    row counts take F.linear itself)."""
     model = Tiny()
     x = torch.randn(300, 64)
     expected = {rows: model(x[:rows]) for rows in (0, 1, 2, 3, 7, 64, 100, 300)}
     path = prepare_cpu_linears(model, torch.float32, None)
-    if not torch.backends.mkl.is_available():
-        assert path == "F.linear"
+    assert path == fp32_path()
+    if path == "F.linear":
         return
-    assert path == "MKL prepacked"
     for rows, want in expected.items():
         torch.testing.assert_close(model(x[:rows]), want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(model(x[:2]), expected[2]) and torch.equal(model(x[:300]), expected[300])
     assert matmul(model.a, x[None, :5]).shape == (1, 5, 96)  # leading dims kept
-    # Inside PACKED_ROWS the product reads the packed weight; outside, F.linear.
-    assert model.a.cpu_weights.packed.is_mkldnn
-    model.a.cpu_weights.packed = torch.ops.mkl._mkl_reorder_linear_weight(
+    # The product reads the packed weight (inside PACKED_ROWS, for MKL).
+    weights = model.a.cpu_weights
+    assert weights.packed.is_mkldnn
+    weights.packed = (torch.ops.mkl._mkl_reorder_linear_weight if path == "MKL prepacked"
+                      else torch.ops.mkldnn._reorder_linear_weight)(
         torch.zeros_like(model.a.weight), 64)
     assert torch.equal(model.a(x[:64]), model.a.bias.expand(64, -1))
-    torch.testing.assert_close(model.a(x[:2]), F.linear(x[:2], model.a.weight, model.a.bias))
+    if path == "MKL prepacked":
+        assert torch.equal(model(x[:2]), expected[2]) and torch.equal(model(x[:300]), expected[300])
+        torch.testing.assert_close(model.a(x[:2]), F.linear(x[:2], model.a.weight, model.a.bias))
+
+
+@pytest.mark.parametrize("intel", [True, False])
+def test_fp32_takes_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch, intel):
+    """MKL runs generic code on other vendors' CPUs (module docstring of cpu_linear)."""
+    monkeypatch.setattr(cpu_linear, "cpu_is_intel", lambda: intel)
+    if intel:
+        want = "MKL prepacked" if torch.backends.mkl.is_available() else "F.linear"
+    else:
+        want = "oneDNN prepacked" if torch.backends.mkldnn.is_available() else "F.linear"
+    assert cpu_linear.fp32_path() == want
+    model = Tiny()
+    x = torch.randn(64, 64)
+    expected = model(x)
+    assert prepare_cpu_linears(model, torch.float32, None) == want
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
