@@ -1,5 +1,5 @@
 """The machine floor, measured in the same run: torch GEMM rates at the model's
-linear shapes, memory copy bandwidth and GEMV weight streaming, and from them the
+linear shapes (the fastest of torch's ways to multiply by a weight here), memory copy bandwidth and GEMV weight streaming, and from them the
 fastest any engine could run the benchmark's workloads on this machine.
 
 Floors count only the linear layers (attention, norms and sampling are left out),
@@ -130,10 +130,11 @@ def measure(shape: ModelShape, dtype: str, ms: list[int]) -> dict:
     from bench import floor_measure as fm
 
     torch_dtype = getattr(torch, dtype)
-    weights = fm.make_weights(shape.linears(), torch_dtype)
+    paths = fm.prepare(fm.make_weights(shape.linears(), torch_dtype))
     # JSON keys are strings: M as a string from the start, the same in memory and on disk.
-    passes = {str(m): fm.time_pass(weights, m) for m in ms}
-    del weights
+    passes = {str(m): fm.time_pass(paths, torch_dtype, m) for m in ms}
+    path_names = list(paths)
+    del paths
     per_param = torch.empty((), dtype=torch_dtype).element_size()
     gflop_s = {k: 2 * int(k) * shape.params() / p["seconds"] / 1e9 for k, p in passes.items()}
     one = passes["1"]["seconds"] if "1" in passes else float("inf")
@@ -141,7 +142,7 @@ def measure(shape: ModelShape, dtype: str, ms: list[int]) -> dict:
             "shape": asdict(shape), "params_per_token": shape.params(),
             "body_params_per_token": shape.params(with_head=False),
             "weight_bytes": shape.params() * per_param, "bytes_per_param": per_param,
-            "gflop_s": gflop_s, "passes": passes,
+            "gflop_s": gflop_s, "passes": passes, "paths": path_names,
             "copy_gb_s": fm.copy_bandwidth(COPY_BYTES),
             "gemv_gb_s": shape.params() * per_param / one / 1e9}
 

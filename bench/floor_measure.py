@@ -1,8 +1,10 @@
 """The timing half of the machine floor (bench/floor.py): a pass over the model's
-linear layers at M rows, with distinct weights per layer, and a large copy."""
+linear layers at M rows, with distinct weights per layer, through each way torch
+multiplies by a weight here, and a large copy."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,37 +25,72 @@ def make_weights(linears: list[tuple[str, int, int, int]],
     return weights
 
 
-def _one_pass(weights: list[tuple[str, torch.Tensor]], inputs: dict[int, torch.Tensor],
+# One layer of a pass: its shape's name, its input width, and x -> x W^T.
+Layer = tuple[str, int, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable]]:
+    """Each way torch can compute x W^T on this CPU, as a maker of x -> x W^T for
+    a weight: F.linear, and W packed once by oneDNN (what vLLM-CPU runs) or by MKL
+    (inductor's freezing; as the engine runs it, so F.linear outside PACKED_ROWS).
+    Which is fastest depends on the CPU: MKL runs generic code on non-Intel ones."""
+    from services.worker import cpu_linear
+
+    paths = {"F.linear": lambda w: lambda x: F.linear(x, w)}
+    if torch.backends.mkldnn.is_available() and (
+            dtype == torch.float32 or cpu_linear.onednn_native(dtype)):
+        paths["oneDNN prepacked"] = cpu_linear.OneDNNWeights
+    if dtype == torch.float32 and cpu_linear.mkl_packing_available():
+        paths["MKL prepacked"] = cpu_linear.MKLPackedWeights
+    return paths
+
+
+def prepare(weights: list[tuple[str, torch.Tensor]]) -> dict[str, list[Layer]]:
+    """The layers of a pass through each of gemm_paths, weights packed once."""
+    paths = gemm_paths(weights[0][1].dtype)
+    with torch.inference_mode():
+        return {path: [(name, w.shape[1], make(w)) for name, w in weights]
+                for path, make in paths.items()}
+
+
+def _one_pass(layers: list[Layer], inputs: dict[int, torch.Tensor],
               shapes: dict[str, float]) -> float:
     """Every linear once; adds each call's seconds to its shape's total."""
     total = 0.0
-    for name, w in weights:
+    for name, k, multiply in layers:
         start = time.perf_counter()
-        F.linear(inputs[w.shape[1]], w)
+        multiply(inputs[k])
         seconds = time.perf_counter() - start
         shapes[name] = shapes.get(name, 0.0) + seconds
         total += seconds
     return total
 
 
-def time_pass(weights: list[tuple[str, torch.Tensor]], m: int) -> dict:
-    """The best of several passes at m rows: its seconds and each shape's share."""
-    dtype = weights[0][1].dtype
-    inputs = {k: torch.randn(m, k).to(dtype) for k in {w.shape[1] for _, w in weights}}
+def time_pass(paths: dict[str, list[Layer]], dtype: torch.dtype, m: int) -> dict:
+    """The best pass at m rows, over several passes through each path: its seconds,
+    each shape's share, and its path (with every path's best seconds)."""
+    inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k, _ in paths["F.linear"]}}
+    results = {path: _best_pass(layers, inputs) for path, layers in paths.items()}
+    path = min(results, key=lambda p: results[p]["seconds"])
+    return {"m": m, **results[path], "path": path,
+            "path_seconds": {p: r["seconds"] for p, r in results.items()}}
+
+
+def _best_pass(layers: list[Layer], inputs: dict[int, torch.Tensor]) -> dict:
     best: tuple[float, dict[str, float]] | None = None
     spent, runs = 0.0, 0
     with torch.inference_mode():
         # Warm-up: one call per distinct shape sets up its kernel (the weights were
         # first touched when made), far cheaper than a whole pass at large M.
-        for w in {tuple(w.shape): w for _, w in weights}.values():
-            F.linear(inputs[w.shape[1]], w)
+        for name, k, multiply in {name: (name, k, f) for name, k, f in layers}.values():
+            multiply(inputs[k])
         while runs < MIN_RUNS or spent < MIN_PASS_SECONDS:
             shapes: dict[str, float] = {}
-            seconds = _one_pass(weights, inputs, shapes)
+            seconds = _one_pass(layers, inputs, shapes)
             spent, runs = spent + seconds, runs + 1
             if best is None or seconds < best[0]:
                 best = (seconds, shapes)
-    return {"m": m, "seconds": best[0], "shapes_s": best[1], "runs": runs}
+    return {"seconds": best[0], "shapes_s": best[1], "runs": runs}
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:

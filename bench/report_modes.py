@@ -46,8 +46,10 @@ def _dtype_notes(sub: dict, s: dict) -> list[str]:
                      "section (its own process, a warm-up, then one `generate` per batch).")
     if floor:
         m = str(s["requests"])
-        notes.append(f"Floor: torch {floor['dtype']} `F.linear`, {fmt(floor['gflop_s'].get(m))} "
-                     f"GFLOP/s at M={m}, GEMV weight streaming {fmt(floor['gemv_gb_s'])} GB/s.")
+        path = floor["passes"].get(m, {}).get("path", "F.linear")
+        notes.append(f"Floor: torch {floor['dtype']}, {fmt(floor['gflop_s'].get(m))} GFLOP/s at "
+                     f"M={m} (`{path}`, the fastest of its paths), GEMV weight streaming "
+                     f"{fmt(floor['gemv_gb_s'])} GB/s.")
     return notes
 
 

@@ -92,8 +92,17 @@ def _gemm_rows(floor: dict) -> list[list[str]]:
         cells = [m]
         for name, k, n, count in linears:
             cells.append(fmt(2 * int(m) * k * n * count / p["shapes_s"][name] / 1e9))
-        rows.append(cells + [fmt(floor["gflop_s"][m]), fmt(p["seconds"], 1e3)])
+        others = ", ".join(f"{path} {fmt(seconds, 1e3)}"
+                           for path, seconds in p.get("path_seconds", {}).items()
+                           if path != p.get("path"))
+        rows.append(cells + [fmt(floor["gflop_s"][m]), fmt(p["seconds"], 1e3),
+                             p.get("path", "F.linear"), others or "-"])
     return rows
+
+
+def _paths(floor: dict) -> str:
+    """The GEMM paths a floor timed, as a phrase."""
+    return ", ".join(f"`{path}`" for path in floor.get("paths", ["F.linear"]))
 
 
 def _floor_rows(floors: dict, s: dict) -> list[list[str]]:
@@ -123,11 +132,13 @@ def floor_section(results: dict) -> list[str]:
     names = [name for name, *_ in ModelShape(**floor["shape"]).linears()]
     return [
         "## Machine floor (measured in this run)", "",
-        f"torch {floor['dtype']} `F.linear` over the model's linears with a distinct weight "
-        f"per layer (a pass streams all {fmt(floor['weight_bytes'] / 1e6, 1, 0)} MB of "
-        f"weights, as a forward does), {floor['torch_threads']} threads, best of several "
-        "passes. GFLOP/s per shape at M rows:", "",
-        *table(["M", *names, "whole pass GFLOP/s", "pass ms"], _gemm_rows(floor)),
+        f"torch {floor['dtype']} over the model's linears with a distinct weight per layer "
+        f"(a pass streams all {fmt(floor['weight_bytes'] / 1e6, 1, 0)} MB of weights, as a "
+        f"forward does), {floor['torch_threads']} threads, best of several passes through "
+        f"each of {_paths(floor)}; the fastest at each M counts. GFLOP/s per shape at M "
+        "rows, in the fastest path:", "",
+        *table(["M", *names, "whole pass GFLOP/s", "pass ms", "fastest path",
+                "other paths ms"], _gemm_rows(floor)),
         f"Memory copy: {fmt(floor['copy_gb_s'])} GB/s (bytes read + written). GEMV weight "
         f"streaming at M=1: {fmt(floor['gemv_gb_s'])} GB/s. Weights per token: "
         f"{floor['params_per_token']:,} parameters.", "",

@@ -102,6 +102,12 @@ def test_measure_reports_every_m_and_json_round_trips():
     assert result["weight_bytes"] == 36 * 4
     assert result["copy_gb_s"] > 0 and result["gemv_gb_s"] > 0
     assert floor.measured_from(result).gflop_s.keys() == {1, 2}
+    # Every GEMM path torch has here was timed; the fastest pass counts.
+    assert result["paths"][0] == "F.linear" and "oneDNN prepacked" in result["paths"]
+    one = result["passes"]["2"]
+    assert set(one["path_seconds"]) == set(result["paths"])
+    assert one["seconds"] == min(one["path_seconds"].values())
+    assert one["path_seconds"][one["path"]] == one["seconds"]
 
 
 def test_no_larger_run_no_larger_floor():
