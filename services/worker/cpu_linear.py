@@ -22,7 +22,7 @@
   was 9-12% slower in two A/B rounds); F.linear keeps those. oneDNN's fp32 path
   did not beat F.linear there. The packed copy costs as much memory as the weights.
 - fp32 on other CPUs: oneDNN with weights reordered once, for every row count.
-  MKL runs its generic code paths on them: on a Zen 4 EPYC (AVX-512), all of
+  MKL runs its generic code paths on them: on an AMD EPYC with AVX-512, all of
   SmolLM2's weights took 45 ms at one row through F.linear and 25 through oneDNN,
   160 against 91 ms at 64 rows, 504 against 381 at 256 (GFLOP/s 6 -> 11,
   107 -> 189, 137 -> 181); MKL's pack was no faster than F.linear there.
