@@ -5,6 +5,7 @@ registers them as torch.ops.llmserve.*. torch caches the build under
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -21,6 +22,10 @@ _CSRC = Path(__file__).parent / "csrc"
 # path in; libgomp.so.1 then resolves to the copy torch has loaded (one runtime).
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math",
            "-fno-math-errno", "-fopenmp"]
+# One build per checkout: torch keys its cache by the extension's name, and its
+# ninja file holds the sources' absolute paths, so two checkouts sharing a name
+# rebuild everything (over two minutes on two cores) each time the other ran.
+_EXTENSION_NAME = "llmserve_cpu_ops_" + hashlib.sha1(str(_CSRC.resolve()).encode()).hexdigest()[:8]
 
 
 @functools.cache
@@ -32,7 +37,7 @@ def cpu_ops_available() -> bool:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
         from torch.utils.cpp_extension import load
         start = time.perf_counter()
-        load(name="llmserve_cpu_ops", sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
+        load(name=_EXTENSION_NAME, sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
              extra_cflags=_CFLAGS,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
