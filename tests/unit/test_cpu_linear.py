@@ -124,6 +124,8 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
         return
     for rows, want in expected.items():
         torch.testing.assert_close(model(x[:rows]), want, rtol=1e-5, atol=1e-5)
+    if path == "MKL prepacked":  # outside PACKED_ROWS, F.linear itself
+        assert torch.equal(model(x[:2]), expected[2]) and torch.equal(model(x[:300]), expected[300])
     assert matmul(model.a, x[None, :5]).shape == (1, 5, 96)  # leading dims kept
     # The product reads the packed weight (inside PACKED_ROWS, for MKL).
     weights = model.a.cpu_weights
@@ -133,7 +135,6 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
         torch.zeros_like(model.a.weight), 64)
     assert torch.equal(model.a(x[:64]), model.a.bias.expand(64, -1))
     if path == "MKL prepacked":
-        assert torch.equal(model(x[:2]), expected[2]) and torch.equal(model(x[:300]), expected[300])
         torch.testing.assert_close(model.a(x[:2]), F.linear(x[:2], model.a.weight, model.a.bias))
 
 
