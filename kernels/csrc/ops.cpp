@@ -16,7 +16,7 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                       torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
-torch::Tensor gemv_16bit_weights(torch::Tensor x, torch::Tensor weight);
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight);
 bool amx_bf16_available();
 torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed);
 
@@ -30,7 +30,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
-  m.def("gemv_16bit_weights(Tensor x, Tensor weight) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("amx_bf16_available() -> bool");
   m.def("amx_bf16_linear(Tensor x, Tensor packed) -> Tensor");
 }
@@ -43,7 +43,7 @@ TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
-  m.impl("gemv_16bit_weights", &gemv_16bit_weights);
+  m.impl("gemv", &gemv);
   m.impl("amx_bf16_linear", &amx_bf16_linear);
 }
 

@@ -4,6 +4,12 @@
   weights reordered once into its blocked layout, as vLLM-CPU does. Measured here
   (AMX): +40-60% at 64-2048 rows, and one row streams the weights at ~20 GB/s
   where F.linear reaches ~10.
+- Wherever oneDNN serves decode steps (all but AMX and MKL below), steps of one
+  or two rows (a single stream) go through our GEMV kernel on the weights as
+  loaded. All of SmolLM2's weights at one row, AMD EPYC with AVX512-BF16:
+  oneDNN 15.8 ms bf16 and 25.2 ms fp32, the GEMV 12.3 and 18.5 (a bare sum over
+  them: 10.0 and 16.9); at two rows 14.6 / 32.9 against 14.1 / 21.6; from four
+  rows oneDNN is ahead.
 - bf16 models on CPUs with AMX: steps of at most AMX_MAX_ROWS rows (decodes) go
   through our AMX kernel (kernels/csrc/amx_linear.cpp), with the weights packed
   once into its tile layout; prefills keep oneDNN, which is faster from a few
@@ -42,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Up to this many rows, a step reads weights faster than it multiplies them.
 GEMV_MAX_ROWS = 8
+# Up to this many rows our GEMV beats oneDNN's prepacked weights (docstring).
+GEMV_OVER_ONEDNN_ROWS = 2
 # Row counts where MKL's packed fp32 weights beat F.linear (module docstring).
 PACKED_ROWS = range(3, 97)
 # oneDNN lays packed weights out for a batch size; any batch size then works.
@@ -104,17 +112,36 @@ class MKLPackedWeights:
         return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
 
 
-class SixteenBitWeights:
-    """x W^T for fp32 activations, reading 16-bit weights when few rows are asked."""
+class GemvForFewRows:
+    """x W^T through our GEMV kernel on `gemv_weight` for up to `max_rows` rows
+    (decodes of a few sequences, bound by reading the weights), `many` above."""
 
-    def __init__(self, weight: torch.Tensor, weight_dtype: torch.dtype):
-        self.fp32 = fp32_weights(weight)
-        self.weight_16bit = weight.detach().to(weight_dtype)
+    def __init__(self, gemv_weight: torch.Tensor, max_rows: int, many):
+        self.gemv_weight = gemv_weight.detach()
+        self.max_rows = max_rows
+        self.many = many
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] % 16 == 0:
-            return torch.ops.llmserve.gemv_16bit_weights(x, self.weight_16bit)
-        return self.fp32(x)
+        if x.shape[0] <= self.max_rows:
+            return torch.ops.llmserve.gemv(x, self.gemv_weight)
+        return self.many(x)
+
+
+def with_gemv(gemv_weight: torch.Tensor, max_rows: int, many):
+    """`many` with our GEMV for up to max_rows rows, where the kernel takes the shape."""
+    if cpu_ops_available() and gemv_weight.shape[1] % 16 == 0:
+        return GemvForFewRows(gemv_weight, max_rows, many)
+    return many
+
+
+def sixteen_bit_weights(weight: torch.Tensor, weight_dtype: torch.dtype):
+    """x W^T for fp32 activations, reading a 16-bit copy of W for few rows."""
+    return with_gemv(weight.to(weight_dtype), GEMV_MAX_ROWS, fp32_weights(weight))
+
+
+def onednn_weights(weight: torch.Tensor):
+    """oneDNN-prepacked W, read by our GEMV at up to GEMV_OVER_ONEDNN_ROWS rows."""
+    return with_gemv(weight, GEMV_OVER_ONEDNN_ROWS, OneDNNWeights(weight))
 
 
 def fp32_weights(weight: torch.Tensor):
@@ -123,7 +150,7 @@ def fp32_weights(weight: torch.Tensor):
     if path == "MKL prepacked":
         return MKLPackedWeights(weight)
     if path == "oneDNN prepacked":
-        return OneDNNWeights(weight)
+        return onednn_weights(weight)
     detached = weight.detach()
     return lambda x: F.linear(x, detached)
 
@@ -155,15 +182,16 @@ def prepare_cpu_linears(model: nn.Module, dtype: torch.dtype,
                                else OneDNNWeights(weight))
         path = f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
     elif dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
-        make = OneDNNWeights
-        path = "oneDNN prepacked"
+        make, path = onednn_weights, "oneDNN prepacked"
     elif dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
-        make = lambda weight: SixteenBitWeights(weight, weight_dtype)  # noqa: E731
+        make = lambda weight: sixteen_bit_weights(weight, weight_dtype)  # noqa: E731
         path = f"{str(weight_dtype).removeprefix('torch.')} weights for <= {GEMV_MAX_ROWS} rows"
     elif dtype == torch.float32 and fp32_path() != "F.linear":
         make, path = fp32_weights, fp32_path()
     else:
         return "F.linear"
+    if path == "oneDNN prepacked" and cpu_ops_available():
+        path += f", our GEMV for <= {GEMV_OVER_ONEDNN_ROWS} rows"
     for layer in linear_layers(model):
         layer.cpu_weights = make(layer.weight)
     return path

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from bench import floor
+from bench import floor_measure as fm
 from bench.floor import Measured, ModelShape
 from bench.settings import Settings
 
@@ -102,12 +103,21 @@ def test_measure_reports_every_m_and_json_round_trips():
     assert result["weight_bytes"] == 36 * 4
     assert result["copy_gb_s"] > 0 and result["gemv_gb_s"] > 0
     assert floor.measured_from(result).gflop_s.keys() == {1, 2}
-    # Every GEMM path torch has here was timed; the fastest pass counts.
+    # Every GEMM path here was timed (our GEMV where it takes the shapes); the
+    # fastest pass counts.
     assert result["paths"][0] == "F.linear" and "oneDNN prepacked" in result["paths"]
     one = result["passes"]["2"]
-    assert set(one["path_seconds"]) == set(result["paths"])
+    assert set(one["path_seconds"]) == set(result["paths"]) - {fm.GEMV_PATH}
     assert one["seconds"] == min(one["path_seconds"].values())
     assert one["path_seconds"][one["path"]] == one["seconds"]
+
+
+def test_our_gemv_is_timed_for_the_rows_it_takes():
+    shape = ModelShape(hidden=16, intermediate=32, heads=1, kv_heads=1, head_dim=16, layers=1,
+                       vocab=8)
+    result = floor.measure(shape, "float32", [1, 9])
+    assert fm.GEMV_PATH in result["passes"]["1"]["path_seconds"]
+    assert fm.GEMV_PATH not in result["passes"]["9"]["path_seconds"]  # over GEMV_MAX_ROWS
 
 
 def test_no_larger_run_no_larger_floor():
