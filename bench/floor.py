@@ -1,6 +1,6 @@
-"""The machine floor, measured in the same run: torch GEMM rates at the model's
-linear shapes (the fastest of torch's ways to multiply by a weight here), memory
-copy bandwidth and GEMV weight streaming, and from them the fastest any engine
+"""The machine floor, measured in the same run: GEMM rates at the model's linear
+shapes (the fastest of the ways we know to multiply by a weight here: torch's, and
+our GEMV for a few rows), memory copy bandwidth and GEMV weight streaming, and from them the fastest any engine
 could run the benchmark's workloads on this machine.
 
 Floors count only the linear layers (attention, norms and sampling are left out),

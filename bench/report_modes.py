@@ -47,7 +47,7 @@ def _dtype_notes(sub: dict, s: dict) -> list[str]:
     if floor:
         m = str(s["requests"])
         path = floor["passes"].get(m, {}).get("path", "F.linear")
-        notes.append(f"Floor: torch {floor['dtype']}, {fmt(floor['gflop_s'].get(m))} GFLOP/s at "
+        notes.append(f"Floor: {floor['dtype']}, {fmt(floor['gflop_s'].get(m))} GFLOP/s at "
                      f"M={m} (`{path}`, the fastest of its paths), GEMV weight streaming "
                      f"{fmt(floor['gemv_gb_s'])} GB/s.")
     return notes

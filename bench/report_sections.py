@@ -132,7 +132,7 @@ def floor_section(results: dict) -> list[str]:
     names = [name for name, *_ in ModelShape(**floor["shape"]).linears()]
     return [
         "## Machine floor (measured in this run)", "",
-        f"torch {floor['dtype']} over the model's linears with a distinct weight per layer "
+        f"{floor['dtype']} over the model's linears with a distinct weight per layer "
         f"(a pass streams all {fmt(floor['weight_bytes'] / 1e6, 1, 0)} MB of weights, as a "
         f"forward does), {floor['torch_threads']} threads, best of several passes through "
         f"each of {_paths(floor)}; the fastest at each M counts. GFLOP/s per shape at M "
