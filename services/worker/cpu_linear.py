@@ -91,8 +91,10 @@ def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor:
     each 16 rows of K pairs (the VNNI layout: W[n, 2r] and W[n, 2r + 1] side by
     side in row r), so a block's weights are one contiguous stream."""
     n, k = weight.shape
-    tiles = weight.reshape(n // 32, 2, 16, k // 32, 16, 2)  # [nb, tile, col, kb, pair, 2]
-    return tiles.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(n // 32, k // 32, 1024)
+    block, half = _AMX_BLOCK, _AMX_BLOCK // 2  # a block is two tiles of 16 columns
+    tiles = weight.reshape(n // block, 2, half, k // block, half, 2)  # [nb, tile, col, kb, pair, 2]
+    return tiles.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(n // block, k // block,
+                                                                 block * block)
 
 
 class MKLPackedWeights:
