@@ -1,7 +1,8 @@
 """The machine floor, measured in the same run: GEMM rates at the model's linear
 shapes (the fastest of the ways we know to multiply by a weight here: torch's, and
-our GEMV for a few rows), memory copy bandwidth and GEMV weight streaming, and from them the fastest any engine
-could run the benchmark's workloads on this machine.
+our GEMV for a few rows), memory copy bandwidth and GEMV weight streaming, and
+from them the fastest any engine could run the benchmark's workloads on this
+machine.
 
 Floors count only the linear layers (attention, norms and sampling are left out),
 so every measured throughput is below its floor; the fraction says how close."""

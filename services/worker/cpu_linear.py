@@ -129,9 +129,15 @@ class GemvForFewRows:
         return self.many(x)
 
 
+def gemv_takes(k: int) -> bool:
+    """Whether our GEMV kernel is built here and takes inputs k wide (whole vectors
+    of 16; it takes up to GEMV_MAX_ROWS rows)."""
+    return cpu_ops_available() and k % 16 == 0
+
+
 def with_gemv(gemv_weight: torch.Tensor, max_rows: int, many):
     """`many` with our GEMV for up to max_rows rows, where the kernel takes the shape."""
-    if cpu_ops_available() and gemv_weight.shape[1] % 16 == 0:
+    if gemv_takes(gemv_weight.shape[1]):
         return GemvForFewRows(gemv_weight, max_rows, many)
     return many
 

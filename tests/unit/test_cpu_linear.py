@@ -1,4 +1,5 @@
-"""The CPU linear paths: the GEMV and AMX kernels against their definitions, and each layer set-up of cpu_linear against F.linear."""
+"""The CPU linear paths: the GEMV and AMX kernels against their definitions, and
+each layer set-up of cpu_linear against F.linear."""
 import pytest
 import torch
 import torch.nn.functional as F
