@@ -25,7 +25,9 @@ def run_soak(s: Settings, model_dir: str, phases: Phases, results: dict) -> None
     from bench.stack import engine_stats, frontend_address, serving_stack
 
     prompts = P.make_prompts(256, s.prompt_len, P.vocab_size(model_dir), s.seed, P.SERVING + 200)
-    with serving_stack(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len) as stack:
+    # Prefix caching on: cached blocks are what a leak would hide among.
+    with serving_stack(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len,
+                       prefix_caching=True) as stack:
         rss_start = _resident_mib(stack)
         with phases(f"soak: {s.soak_minutes:g} minutes at concurrency {CONCURRENCY}"):
             counts = asyncio.run(_load(frontend_address(stack), prompts, s.output_len,
