@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
-from services.common.errors import InvalidArgument
+from services.common.errors import (InvalidArgument, LLMServeError, error_with_status,
+                                    status_from_number, status_number)
 from services.common.lora import LoRARequest
 from services.common.pb import common_pb2, engine_core_pb2, inference_pb2, worker_pb2
 from services.common.request_events import RequestEvent, RequestEventKind
@@ -191,6 +192,18 @@ def engine_core_output_from_proto(pb: engine_core_pb2.EngineCoreOutput) -> Engin
                             prompt_logprobs=[logprobs_from_proto(p) for p in pb.prompt_logprobs],
                             events=[RequestEvent(RequestEventKind(e.kind), e.time_unix_nano,
                                                  e.num_tokens) for e in pb.events])
+
+
+def request_error_to_proto(request_id: str,
+                           error: LLMServeError) -> engine_core_pb2.EngineCoreOutput:
+    """The last output of a request that failed."""
+    return engine_core_pb2.EngineCoreOutput(
+        request_id=request_id,
+        error=engine_core_pb2.RequestError(code=status_number(error.code), message=str(error)))
+
+
+def request_error_from_proto(pb: engine_core_pb2.RequestError) -> LLMServeError:
+    return error_with_status(status_from_number(pb.code), pb.message)
 
 
 def engine_stats_to_proto(s: EngineStats) -> engine_core_pb2.EngineStats:

@@ -55,9 +55,25 @@ class Unavailable(LLMServeError):
 
 def from_rpc_error(error: grpc.RpcError) -> LLMServeError:
     """A remote service's status, re-raised as ours so it passes through unchanged."""
-    mapped = LLMServeError(error.details() or str(error.code()))
-    mapped.code = error.code()
+    return error_with_status(error.code(), error.details())
+
+
+def error_with_status(code: grpc.StatusCode, message: str) -> LLMServeError:
+    mapped = LLMServeError(message or str(code))
+    mapped.code = code
     return mapped
+
+
+def status_number(code: grpc.StatusCode) -> int:
+    """google.rpc.Code's number for a status (INVALID_ARGUMENT: 3)."""
+    return code.value[0]
+
+
+def status_from_number(number: int) -> grpc.StatusCode:
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):

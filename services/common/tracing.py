@@ -65,6 +65,13 @@ def current_trace_headers() -> dict[str, str]:
     return carrier
 
 
+def span_headers(span: trace.Span) -> dict[str, str]:
+    """A span's W3C headers, for a span that is not the current one."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
 def trace_metadata() -> list[tuple[str, str]]:
     """The current trace context as gRPC metadata for an outgoing call."""
     return list(current_trace_headers().items())

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from services.common.errors import FailedPrecondition, LLMServeError, Unavailable
 from services.common.futures import run_into_future
@@ -30,10 +30,30 @@ logger = logging.getLogger(__name__)
 WORKER_RECOVERY_TIMEOUT_S = 120.0
 
 
+class OutputSink(Protocol):
+    """Where the outputs of some requests go: one request's stream (generate), or
+    a session carrying many. Both methods are called on `loop`, once per step
+    with everything of that step for this sink."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None: ...
+
+    def fail(self, request_ids: list[str], error: LLMServeError) -> None:
+        """The requests ended with `error` (their workers failed)."""
+
+
 @dataclass
-class _OutputStream:
+class _RequestStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # of EngineCoreOutput, or an exception that ends the stream
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            self.queue.put_nowait(output)
+
+    def fail(self, request_ids: list[str], error: LLMServeError) -> None:
+        self.queue.put_nowait(error)
 
 
 class EngineLoop:
@@ -41,7 +61,7 @@ class EngineLoop:
         self.core = core
         self.metrics = metrics
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, _OutputStream] = {}  # touched by the loop thread only
+        self._sinks: dict[str, OutputSink] = {}  # by request id; loop thread only
         self._stopped = False
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="grammar-compiler")
@@ -51,24 +71,25 @@ class EngineLoop:
 
     # ---- asyncio side ------------------------------------------------------------
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        """Adds the request and yields its outputs; leaving early aborts it."""
+    async def add_request(self, request: EngineCoreRequest, sink: OutputSink) -> None:
+        """Adds the request; its outputs go to sink until one is finished."""
         if self.draining:
             raise Unavailable("this engine core is shutting down; send the request to another")
-        stream = _OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         grammar = await self._compile_grammar(request)
-        await self._call(lambda: self._add(request, stream, grammar))
+        await self._call(lambda: self._add(request, sink, grammar))
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Adds the request and yields its outputs; leaving early aborts it."""
+        stream = _RequestStream(asyncio.get_running_loop(), asyncio.Queue())
+        await self.add_request(request, stream)
         finished = False
         try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for output in outputs_until_finished(stream.queue):
+                finished = output.finished
+                yield output
         finally:
             if not finished:
-                self._inbox.put(lambda: self._abort([request.request_id]))
+                self.abort_soon([request.request_id])
 
     async def _compile_grammar(self, request: EngineCoreRequest):
         """A structured-outputs request's grammar, compiled on a thread of its own
@@ -88,6 +109,11 @@ class EngineLoop:
     async def abort(self, request_ids: list[str]) -> None:
         await self._call(lambda: self._abort(request_ids))
 
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """Aborts between the next steps, after everything queued before it (an add
+        queued earlier included), without waiting."""
+        self._inbox.put(lambda: self._abort(request_ids))
+
     async def reset_prefix_cache(self) -> None:
         if not await self._call(self.core.reset_prefix_cache):
             raise FailedPrecondition("requests still hold KV blocks; retry when idle")
@@ -97,7 +123,7 @@ class EngineLoop:
 
     def num_in_flight(self) -> int:
         # A read of a dict the loop thread changes: its size is enough here.
-        return len(self._streams)
+        return len(self._sinks)
 
     def stats(self) -> EngineStats:
         # Plain reads of counters the loop thread updates; no lock needed.
@@ -118,9 +144,9 @@ class EngineLoop:
 
     # ---- loop thread -------------------------------------------------------------
 
-    def _add(self, request: EngineCoreRequest, stream: _OutputStream, grammar) -> None:
+    def _add(self, request: EngineCoreRequest, sink: OutputSink, grammar) -> None:
         self.core.add_request(request, grammar)
-        self._streams[request.request_id] = stream
+        self._sinks[request.request_id] = sink
 
     def _abort(self, request_ids: list[str]) -> None:
         self._dispatch(self.core.abort_requests(request_ids))
@@ -178,25 +204,37 @@ class EngineLoop:
         return False
 
     def _fail_all(self, error: Exception) -> None:
-        self.core.abort_requests(list(self._streams))
+        self.core.abort_requests(list(self._sinks))
         wrapped = error if isinstance(error, LLMServeError) else Unavailable(
             f"the engine core's workers failed: {error}")
-        for stream in self._streams.values():
-            _call_soon(stream.loop, stream.queue.put_nowait, wrapped)
-        self._streams.clear()
+        _call_per_loop([(sink, [request_id]) for request_id, sink in self._sinks.items()],
+                       lambda sink, request_ids: sink.fail(request_ids, wrapped))
+        self._sinks.clear()
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
-        """Hands outputs to their streams, one wake-up per event loop per step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineCoreOutput]]] = {}
+        """Hands outputs to their sinks: one call per sink, and one wake-up per
+        event loop, per step."""
+        items = []
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
                 continue
             if output.finished:
-                del self._streams[output.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, items in by_loop.items():
-            _call_soon(loop, _put_all, items)
+                del self._sinks[output.request_id]
+            items.append((sink, [output]))
+        _call_per_loop(items, lambda sink, sink_outputs: sink.deliver(sink_outputs))
+
+
+async def outputs_until_finished(queue: asyncio.Queue) -> AsyncIterator[EngineCoreOutput]:
+    """One request's outputs from its queue, up to its finished one; an exception
+    put in the queue ends them by being raised."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
 
 
 def _worker_lost(error: Exception) -> bool:
@@ -212,7 +250,16 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, EngineCoreOutput]]) -> None:
-    for q, output in items:
-        q.put_nowait(output)
+def _call_per_loop(items: list[tuple[OutputSink, list]], call) -> None:
+    """call(sink, values) once per sink, with the values of all its items, from one
+    callback per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, dict[int, tuple[OutputSink, list]]] = {}
+    for sink, values in items:
+        per_sink = by_loop.setdefault(sink.loop, {})
+        per_sink.setdefault(id(sink), (sink, []))[1].extend(values)
 
+    def call_all(per_sink: dict[int, tuple[OutputSink, list]]) -> None:
+        for sink, values in per_sink.values():
+            call(sink, values)
+    for loop, per_sink in by_loop.items():
+        _call_soon(loop, call_all, per_sink)

@@ -1,34 +1,34 @@
 """EngineCoreServicer: the EngineLoop over gRPC (convert, call, convert back)."""
 from __future__ import annotations
 
-from services.common import convert, tracing
-from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
-from services.common.request_types import EngineCoreOutput
-from services.engine_core.engine_loop import EngineLoop
-from services.engine_core.request_spans import record_phase_spans
+import asyncio
+import logging
 
-_tracer = tracing.tracer(__name__)
+from services.common import convert
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.engine_core.engine_loop import EngineLoop
+from services.engine_core.session import EngineSession
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
     def __init__(self, engine: EngineLoop):
         self.engine = engine
 
-    async def Generate(self, request, context):
-        parent = tracing.context_from_metadata(context.invocation_metadata())
-        with _tracer.start_as_current_span(
-                "engine_core.request", context=parent,
-                attributes={"gen_ai.request.id": request.request_id}) as span:
-            engine_request = convert.engine_core_request_from_proto(request)
-            # The steps that serve this request link to this span.
-            engine_request.trace_headers = tracing.current_trace_headers()
-            num_tokens = 0
-            async for output in self.engine.generate(engine_request):
-                num_tokens += len(output.new_token_ids)
-                if output.finished:
-                    _end_request_span(span, output, len(engine_request.prompt_token_ids),
-                                      num_tokens)
-                yield convert.engine_core_output_to_proto(output)
+    async def Session(self, request_iterator, context):
+        logger.info("session opened by %s", context.peer())
+        session = EngineSession(self.engine)
+        taking = asyncio.create_task(session.take(request_iterator))
+        try:
+            async for message in session.outputs():
+                yield message
+        except asyncio.CancelledError:
+            pass  # the frontend left, or this server stops: the normal end of a session
+        finally:
+            taking.cancel()
+            session.close()
+            logger.info("session of %s closed", context.peer())
 
     async def Abort(self, request, context):
         await self.engine.abort(list(request.request_ids))
@@ -51,14 +51,3 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
     async def RemoveLora(self, request, context):
         await self.engine.remove_lora(request.name)
         return engine_core_pb2.RemoveLoraResponse()
-
-
-def _end_request_span(span, last: EngineCoreOutput, num_prompt_tokens: int,
-                      num_output_tokens: int) -> None:
-    """The request's usage and outcome, and its phases as child spans."""
-    if not tracing.is_exporting():
-        return
-    span.set_attributes({"gen_ai.usage.input_tokens": num_prompt_tokens,
-                         "gen_ai.usage.output_tokens": num_output_tokens,
-                         "gen_ai.response.finish_reasons": [str(last.finish_reason)]})
-    record_phase_spans(_tracer, last.events)

@@ -14,7 +14,8 @@ from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats)
 from services.common.tls import TlsConfig, aio_channel
-from services.engine_core.engine_loop import EngineLoop
+from services.engine_core.engine_loop import EngineLoop, outputs_until_finished
+from services.frontend.engine_session import EngineSession
 
 
 class EngineClient(abc.ABC):
@@ -77,6 +78,7 @@ class GrpcEngineClient(EngineClient):
         self.address = address
         self.channel = aio_channel(address, tls, server_name)
         self.stub = engine_core_pb2_grpc.EngineCoreStub(self.channel)
+        self._session: EngineSession | None = None  # opened by the first request
 
     async def wait_ready(self, timeout_s: float) -> None:
         try:
@@ -86,15 +88,18 @@ class GrpcEngineClient(EngineClient):
                               f"{timeout_s:.0f} s") from None
 
     async def generate(self, request):
-        call = self.stub.Generate(convert.engine_core_request_to_proto(request),
-                                  metadata=tracing.trace_metadata())
+        """Over this client's one session with the engine core (see engine_session)."""
+        if self._session is None or self._session.closed:
+            self._session = EngineSession(self.stub)
+        session = self._session
+        queue = session.add(request)
+        finished = False
         try:
-            async for output in call:
-                yield convert.engine_core_output_from_proto(output)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
+            async for output in outputs_until_finished(queue):
+                finished = output.finished
+                yield output
         finally:
-            call.cancel()  # no-op once finished; aborts the request if we left early
+            session.forget(request.request_id, abort=not finished)
 
     async def abort(self, request_ids):
         await self._unary(self.stub.Abort, engine_core_pb2.AbortRequest(request_ids=request_ids))
@@ -114,6 +119,8 @@ class GrpcEngineClient(EngineClient):
         await self._unary(self.stub.RemoveLora, engine_core_pb2.RemoveLoraRequest(name=name))
 
     async def close(self):
+        if self._session is not None:
+            await self._session.close()
         await self.channel.close()
 
     @staticmethod

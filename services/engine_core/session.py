@@ -1,0 +1,132 @@
+"""EngineSession: the engine core's end of one frontend's Session stream.
+
+Requests arrive on the stream, and the outputs of a step leave on it as one
+message for all of them: the session is a single OutputSink of the EngineLoop.
+Each request's `engine_core.request` span starts when it is added and ends with
+its last output; the steps that serve it link to that span.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from opentelemetry import trace
+
+from services.common import convert, tracing
+from services.common.errors import AlreadyExists, LLMServeError
+from services.common.pb import engine_core_pb2
+from services.common.request_types import EngineCoreOutput, EngineCoreRequest
+from services.engine_core.engine_loop import EngineLoop
+from services.engine_core.request_spans import record_phase_spans
+
+_tracer = tracing.tracer(__name__)
+
+
+@dataclass
+class _LiveRequest:
+    span: trace.Span
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+
+
+class EngineSession:
+    def __init__(self, engine: EngineLoop):
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self._ready: asyncio.Queue[list[engine_core_pb2.EngineCoreOutput]] = asyncio.Queue()
+        self._live: dict[str, _LiveRequest] = {}
+        self._adding: dict[str, asyncio.Task] = {}  # requests on their way into the engine
+
+    async def take(self, messages: AsyncIterator[engine_core_pb2.SessionRequest]) -> None:
+        """Acts on what the frontend sends, until it stops sending."""
+        async for message in messages:
+            if message.HasField("add"):
+                self._add(message.add)
+            elif message.HasField("abort"):
+                self.abort(list(message.abort.request_ids))
+
+    async def outputs(self) -> AsyncIterator[engine_core_pb2.SessionOutputs]:
+        """The stream's messages: one per step that produced something here."""
+        while True:
+            yield engine_core_pb2.SessionOutputs(outputs=await self._ready.get())
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self._adding:
+                self._adding[request_id].cancel()
+        self.engine.abort_soon(request_ids)
+
+    def close(self) -> None:
+        """The stream ended: aborts what still runs."""
+        self.abort(list(self._live))
+        for live in self._live.values():
+            live.span.end()
+        self._live.clear()
+
+    # ---- OutputSink: called on self.loop once per step -------------------------
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            live.num_output_tokens += len(output.new_token_ids)
+            if output.finished:
+                del self._live[output.request_id]
+                _end_request_span(live, output)
+        self._ready.put_nowait([convert.engine_core_output_to_proto(o) for o in outputs])
+
+    def fail(self, request_ids: list[str], error: LLMServeError) -> None:
+        for request_id in request_ids:
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                live.span.set_status(trace.StatusCode.ERROR, str(error))
+                live.span.end()
+        self._ready.put_nowait([convert.request_error_to_proto(r, error) for r in request_ids])
+
+    # ---- adding ----------------------------------------------------------------
+
+    def _add(self, message: engine_core_pb2.EngineCoreRequest) -> None:
+        request_id = message.request_id
+        if request_id in self._live:
+            self._ready.put_nowait([convert.request_error_to_proto(request_id, AlreadyExists(
+                f"request {request_id} is still running; request ids must be unique"))])
+            return
+        try:
+            request = convert.engine_core_request_from_proto(message)
+        except LLMServeError as e:
+            self._ready.put_nowait([convert.request_error_to_proto(request_id, e)])
+            return
+        span = _tracer.start_span(
+            "engine_core.request", context=tracing.context_from_headers(request.trace_headers),
+            attributes={"gen_ai.request.id": request_id})
+        request.trace_headers = tracing.span_headers(span)  # the steps link to this span
+        self._live[request_id] = _LiveRequest(span, len(request.prompt_token_ids))
+        self._adding[request_id] = asyncio.create_task(self._add_to_engine(request))
+
+    async def _add_to_engine(self, request: EngineCoreRequest) -> None:
+        try:
+            await self.engine.add_request(request, self)
+        except LLMServeError as e:
+            self.fail([request.request_id], e)
+        except asyncio.CancelledError:
+            # Aborted on its way in: the abort may have reached the engine first.
+            # If the request got in anyway, this abort (queued after it) ends it.
+            self.engine.abort_soon([request.request_id])
+            live = self._live.pop(request.request_id, None)
+            if live is not None:
+                live.span.end()
+        finally:
+            self._adding.pop(request.request_id, None)
+
+
+def _end_request_span(live: _LiveRequest, last: EngineCoreOutput) -> None:
+    """The request's usage and outcome, and its phases as child spans."""
+    if tracing.is_exporting():
+        live.span.set_attributes({"gen_ai.usage.input_tokens": live.num_prompt_tokens,
+                                  "gen_ai.usage.output_tokens": live.num_output_tokens,
+                                  "gen_ai.response.finish_reasons": [str(last.finish_reason)]})
+        with trace.use_span(live.span, end_on_exit=False):
+            record_phase_spans(_tracer, last.events)
+    live.span.end()
