@@ -26,7 +26,7 @@ def serving_stack(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len
     log_dir = tempfile.mkdtemp(prefix="llmserve-bench-")
     # Prefix caching off unless asked for, as in the offline runs and vLLM's: a
     # round that repeats the prompts of the one before (the observability rounds)
-    # would skip their prefills and run 1.4x as fast.
+    # would skip their prefills and run about 1.5x as fast.
     config = EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype,
                                             max_model_len=max_model_len),
                           cache=CacheConfig(kv_cache_bytes=int(kv_cache_gib * (1 << 30)),
