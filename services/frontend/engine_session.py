@@ -13,7 +13,8 @@ import logging
 import grpc
 
 from services.common import convert
-from services.common.errors import AlreadyExists, LLMServeError, Unavailable, from_rpc_error
+from services.common.errors import (AlreadyExists, LLMServeError, Unavailable,
+                                    error_with_status, from_rpc_error)
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.request_types import EngineCoreRequest
 
@@ -58,7 +59,6 @@ class EngineSession:
             yield message
 
     async def _read(self) -> None:
-        closing = False
         error: LLMServeError = Unavailable("the engine core ended the session")
         try:
             async for message in self._call:
@@ -72,8 +72,8 @@ class EngineSession:
             error = Unavailable("the frontend closed its engine session")
         finally:
             closing, self.closed = self.closed, True
-            for queue in self._queues.values():
-                queue.put_nowait(error)
+            for queue in self._queues.values():  # each its own exception: each is raised
+                queue.put_nowait(error_with_status(error.code, str(error)))
             self._queues.clear()
         if not closing:
             logger.warning("engine session ended: %s", error)
