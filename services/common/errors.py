@@ -43,6 +43,11 @@ class ResourceExhausted(LLMServeError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def request_id_in_use(request_id: str) -> AlreadyExists:
+    """The error for a new request whose id a running request holds."""
+    return AlreadyExists(f"request_id {request_id!r} is still running; use another id")
+
+
 class Cancelled(LLMServeError):
     """The caller went away (its request was aborted)."""
 

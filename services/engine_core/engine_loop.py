@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -207,8 +208,10 @@ class EngineLoop:
         self.core.abort_requests(list(self._sinks))
         wrapped = error if isinstance(error, LLMServeError) else Unavailable(
             f"the engine core's workers failed: {error}")
+        # A copy per sink: one exception instance raised in many tasks would
+        # gather all their tracebacks.
         _call_per_loop([(sink, [request_id]) for request_id, sink in self._sinks.items()],
-                       lambda sink, request_ids: sink.fail(request_ids, wrapped))
+                       lambda sink, request_ids: sink.fail(request_ids, copy.copy(wrapped)))
         self._sinks.clear()
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:

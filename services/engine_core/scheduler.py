@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from services.common.config import CacheConfig, SchedulerConfig
-from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from services.common.errors import InvalidArgument, ResourceExhausted, request_id_in_use
 from services.common.request_events import RequestEventKind as Event
 from services.common.request_types import EngineCoreOutput, FinishReason
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
@@ -51,7 +51,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise AlreadyExists(f"request id {request.request_id!r} is already running")
+            raise request_id_in_use(request.request_id)
         if request.num_prompt_tokens == 0:
             raise InvalidArgument("prompt", "is empty")
         if request.num_tokens >= self.max_model_len:

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from opentelemetry import trace
 
 from services.common import convert, tracing
-from services.common.errors import AlreadyExists, LLMServeError
+from services.common.errors import LLMServeError, request_id_in_use
 from services.common.pb import engine_core_pb2
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest
 from services.engine_core.engine_loop import EngineLoop
@@ -90,8 +90,8 @@ class EngineSession:
     def _add(self, message: engine_core_pb2.EngineCoreRequest) -> None:
         request_id = message.request_id
         if request_id in self._live:
-            self._ready.put_nowait([convert.request_error_to_proto(request_id, AlreadyExists(
-                f"request {request_id} is still running; request ids must be unique"))])
+            self._ready.put_nowait([convert.request_error_to_proto(
+                request_id, request_id_in_use(request_id))])
             return
         try:
             request = convert.engine_core_request_from_proto(message)

@@ -17,7 +17,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.common import tracing
-from services.common.errors import AlreadyExists, InvalidArgument, LLMServeError, Unavailable
+from services.common.errors import (InvalidArgument, LLMServeError, Unavailable,
+                                    request_id_in_use)
 from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.frontend.async_merge import merge
@@ -98,7 +99,7 @@ class AsyncLLM:
         if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise InvalidArgument("request_id", f"must have 1 to {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self._live_request_ids:
-            raise AlreadyExists(f"request_id {request_id!r} is still running; use another id")
+            raise request_id_in_use(request_id)
         self._live_request_ids.add(request_id)
         arrival_time = time.monotonic()
         span = _tracer.start_span("frontend.request", context=options.trace_context,

@@ -8,13 +8,14 @@ request on it ends with the stream's error; the next request opens a new one.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 
 import grpc
 
 from services.common import convert
-from services.common.errors import (AlreadyExists, LLMServeError, Unavailable,
-                                    error_with_status, from_rpc_error)
+from services.common.errors import (LLMServeError, Unavailable, from_rpc_error,
+                                    request_id_in_use)
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.request_types import EngineCoreRequest
 
@@ -33,8 +34,7 @@ class EngineSession:
     def add(self, request: EngineCoreRequest) -> asyncio.Queue:
         """Sends the request; returns the queue its outputs arrive in."""
         if request.request_id in self._queues:
-            raise AlreadyExists(f"request {request.request_id} is still running; "
-                                "request ids must be unique")
+            raise request_id_in_use(request.request_id)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._sends.put_nowait(engine_core_pb2.SessionRequest(
@@ -73,7 +73,7 @@ class EngineSession:
         finally:
             closing, self.closed = self.closed, True
             for queue in self._queues.values():  # each its own exception: each is raised
-                queue.put_nowait(error_with_status(error.code, str(error)))
+                queue.put_nowait(copy.copy(error))
             self._queues.clear()
         if not closing:
             logger.warning("engine session ended: %s", error)
