@@ -23,9 +23,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # Offline, throughput is what counts: no cap on prefill while decoding (the
-    # server caps it to bound inter-token latency; see SchedulerConfig).
-    max_prefill_tokens_while_decoding: int = 0
+    # Offline, throughput is what counts: no cap on a step while requests decode
+    # (the server caps it to bound inter-token latency; see SchedulerConfig).
+    max_step_tokens_while_decoding: int = 0
     # "fcfs", or "priority" (lower values first).
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 1024
@@ -45,8 +45,8 @@ class EngineArgs:
                               kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_prefill_tokens_while_decoding=(
-                                          self.max_prefill_tokens_while_decoding),
+                                      max_step_tokens_while_decoding=(
+                                          self.max_step_tokens_while_decoding),
                                       policy=self.scheduling_policy,
                                       max_waiting_requests=self.max_waiting_requests),
             lora=LoRAConfig(enable_lora=self.enable_lora, max_loras=self.max_loras,

@@ -45,11 +45,12 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # While any request is decoding, the prompt tokens a step computes are capped
-    # at this many, so a burst of arrivals delays each decode by a bounded prefill
-    # chunk instead of a whole token budget of prefill. 0: no cap (best throughput,
-    # the offline API's default). A step without decodes always uses the budget.
-    max_prefill_tokens_while_decoding: int = 256
+    # While any request is decoding, a step carries at most this many tokens: all
+    # its decodes, then prompt tokens in what is left (at least a quarter of this
+    # many), so a burst of arrivals delays each decode by a bounded step instead
+    # of a whole token budget of prefill. 0: no cap (best throughput, the offline
+    # API's default). A step without decodes always uses the whole budget.
+    max_step_tokens_while_decoding: int = 256
     # "fcfs", or "priority": lowest priority value first, then earliest arrival.
     policy: str = "fcfs"
     # New requests beyond this many waiting are refused (RESOURCE_EXHAUSTED).
@@ -122,10 +123,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=d_sched.max_num_batched_tokens)
-    parser.add_argument("--max-prefill-tokens-while-decoding", type=int,
-                        default=d_sched.max_prefill_tokens_while_decoding,
-                        help="cap on a step's prompt tokens while requests decode, which "
-                             "bounds inter-token latency under bursts (0: no cap)")
+    parser.add_argument("--max-step-tokens-while-decoding", type=int,
+                        default=d_sched.max_step_tokens_while_decoding,
+                        help="cap on a step's tokens while requests decode (decodes first, "
+                             "prompts in the rest), which bounds inter-token latency under "
+                             "bursts (0: no cap)")
     parser.add_argument("--scheduling-policy", dest="policy", default=d_sched.policy,
                         choices=["fcfs", "priority"],
                         help="priority: lower priority values are served first")
@@ -152,8 +154,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_prefill_tokens_while_decoding=(
-                                      args.max_prefill_tokens_while_decoding),
+                                  max_step_tokens_while_decoding=(
+                                      args.max_step_tokens_while_decoding),
                                   policy=args.policy,
                                   max_waiting_requests=args.max_waiting_requests),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
@@ -174,7 +176,7 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
             "--kv-cache-gib", repr(c.kv_cache_bytes / (1 << 30)),
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--max-prefill-tokens-while-decoding", str(s.max_prefill_tokens_while_decoding),
+            "--max-step-tokens-while-decoding", str(s.max_step_tokens_while_decoding),
             "--scheduling-policy", s.policy,
             "--max-waiting-requests", str(s.max_waiting_requests),
             "--tensor-parallel-size", str(p.tensor_parallel_size),

@@ -155,10 +155,12 @@ def test_priority_policy_serves_lower_values_first_and_preempts_the_highest():
     assert reasons == {r: FinishReason.LENGTH for r in ("p0", "p1", "p2")}
 
 
-def test_prefill_is_capped_while_requests_decode():
+def test_steps_are_capped_while_requests_decode():
+    """With decodes, a step carries at most 10 tokens: decodes first, prompt
+    tokens in the rest, but at least 10 // 4 of them."""
     def scheduler(cap):
         return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                         max_prefill_tokens_while_decoding=cap),
+                                         max_step_tokens_while_decoding=cap),
                          CacheConfig(block_size=4), 256, 128)
 
     capped, uncapped = scheduler(10), scheduler(0)
@@ -170,6 +172,7 @@ def test_prefill_is_capped_while_requests_decode():
     for s in (capped, uncapped):
         s.add_request(request("b", 40, max_tokens=4, first_token=500))
         s.add_request(request("c", 5, max_tokens=4, first_token=900))
+        s.add_request(request("d", 6, max_tokens=40, first_token=700))
     outputs = {"capped": {}, "uncapped": {}}
 
     def step(name, s):
@@ -178,18 +181,37 @@ def test_prefill_is_capped_while_requests_decode():
             outputs[name].setdefault(o.request_id, []).extend(o.new_token_ids)
         return so
 
-    assert step("capped", capped).num_scheduled_tokens == {"a": 1, "b": 10}  # 10 prompt tokens
-    assert step("uncapped", uncapped).num_scheduled_tokens == {"a": 1, "b": 40, "c": 5}
-    steps = 0
+    assert step("capped", capped).num_scheduled_tokens == {"a": 1, "b": 9}  # 1 decode + 9
+    assert step("uncapped", uncapped).num_scheduled_tokens == {"a": 1, "b": 40, "c": 5,
+                                                               "d": 6}
+    prefill_grants = []
     for name, s in (("capped", capped), ("uncapped", uncapped)):
         while s.has_work():
             so = step(name, s)
             if name == "capped":
-                assert sum(n for n in so.num_scheduled_tokens.values() if n > 1) <= 10
-                steps += 1
+                decodes = sum(n == 1 for n in so.num_scheduled_tokens.values())
+                prefill = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+                assert prefill <= max(10 - decodes, 2)
+                prefill_grants.append((decodes, prefill))
+    # b's last 4 with c's 5; then a, b and c decode beside d's 6.
+    assert prefill_grants[:5] == [(1, 9)] * 4 + [(3, 6)]
     # The same tokens come out, only later, and every block is free again.
-    assert outputs["capped"] == outputs["uncapped"] and len(outputs["capped"]) == 3
-    assert steps > 4 and capped.kv_cache_manager.num_free_blocks == 128
+    assert outputs["capped"] == outputs["uncapped"] and len(outputs["capped"]) == 4
+    assert capped.kv_cache_manager.num_free_blocks == 128
+
+
+def test_prompts_keep_a_quarter_of_a_capped_step_when_many_decode():
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                  max_step_tokens_while_decoding=8),
+                  CacheConfig(block_size=4), 256, 128)
+    for i in range(7):
+        s.add_request(request(f"short{i}", 3, max_tokens=20, first_token=100 + i))
+    run_step(s)
+    s.add_request(request("long", 20, first_token=500))
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {**{f"short{i}": 1 for i in range(7)}, "long": 2}
+    drain(s)
+    assert s.kv_cache_manager.num_free_blocks == 128
 
 
 def test_n_choices_count_n_times_against_the_waiting_queue():
