@@ -1,5 +1,5 @@
 """The CPU backend's paged KV cache: its layout, writing new tokens' K/V, and
-decode attention over it. C++ kernels (csrc/paged_attention.cpp) when they could
+attention over it (decodes, and causal prefills). C++ kernels (csrc/paged_attention.cpp) when they could
 be built, and the pure-torch references they are tested against.
 
 Layout per layer: one tensor [2, num_blocks, kv_heads, block_size * head_dim]:
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from kernels.cpu_build import use_cpu_ops
 
-# What the C++ decode kernel is compiled for (csrc/paged_attention.cpp); other
-# shapes take the torch reference.
+# What the C++ attention kernels are compiled for (csrc/paged_attention.cpp);
+# other shapes take the torch references.
 KERNEL_HEAD_DIMS = (32, 64, 96, 128)
 KERNEL_BLOCK_SIZES = (16, 32, 128)
 
@@ -62,18 +62,58 @@ def write_kv_cache_reference(k, v, key_cache, value_cache, slot_mapping) -> None
     logical_value_cache(value_cache)[blocks, offsets] = v.to(value_cache.dtype)
 
 
+def _kernel_takes(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return (query.shape[-1] in KERNEL_HEAD_DIMS and key_cache.shape[-1] in KERNEL_BLOCK_SIZES
+            and use_cpu_ops(query, key_cache))
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """query [B, H, D]; block_table [B, max_blocks]; seq_lens [B] -> [B, H, D].
     Each query attends to the first seq_lens keys of its sequence. The cache may be
     16-bit under an fp32 query; the output has the query's dtype."""
-    if (query.shape[-1] in KERNEL_HEAD_DIMS and key_cache.shape[-1] in KERNEL_BLOCK_SIZES
-            and use_cpu_ops(query, key_cache)):
+    if _kernel_takes(query, key_cache):
         return torch.ops.llmserve.paged_decode_attention(query, key_cache, value_cache,
                                                          block_table, seq_lens, scale)
     return paged_decode_attention_reference(query, key_cache, value_cache, block_table,
                                             seq_lens, scale)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, out: torch.Tensor) -> None:
+    """Writes into out [T, H, D] the attention of every sequence with more than one
+    query token (its rows; the others' are left alone). Sequence i owns query
+    rows query_start_loc[i]:query_start_loc[i+1], the last of its seq_lens[i]
+    tokens, whose K/V the cache already holds; each attends causally to its
+    sequence's keys up to its own position."""
+    if _kernel_takes(query, key_cache) and query.is_contiguous():
+        torch.ops.llmserve.paged_prefill_attention(query, key_cache, value_cache, block_table,
+                                                   seq_lens, query_start_loc, scale, out)
+    else:
+        paged_prefill_attention_reference(query, key_cache, value_cache, block_table, seq_lens,
+                                          query_start_loc, scale, out)
+
+
+def paged_prefill_attention_reference(query, key_cache, value_cache, block_table, seq_lens,
+                                      query_start_loc, scale: float, out) -> None:
+    """The same in plain torch: per sequence, gather its context, then masked SDPA."""
+    block_size = key_cache.shape[-1]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = query_start_loc[i].item(), query_start_loc[i + 1].item()
+        if end - start < 2:
+            continue
+        table = block_table[i:i + 1, :-(-seq_len // block_size)]
+        keys, values = (gather_blocks(cache, table)[0, :, :seq_len].to(query.dtype) for cache in
+                        (logical_key_cache(key_cache), logical_value_cache(value_cache)))
+        # Query t sits at position seq_len - (end - start) + t and sees keys up to it.
+        query_pos = torch.arange(seq_len - (end - start), seq_len)
+        mask = torch.arange(seq_len)[None, :] <= query_pos[:, None]
+        out[start:end] = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None], keys[None], values[None], scale=scale,
+            attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
 
 
 def paged_decode_attention_reference(query, key_cache, value_cache, block_table, seq_lens,

@@ -8,6 +8,10 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_table,
                                      torch::Tensor seq_lens, double scale);
+void paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table,
+                             torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
+                             torch::Tensor out);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
@@ -25,6 +29,9 @@ TORCH_LIBRARY(llmserve, m) {
         "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin) -> ()");
@@ -38,6 +45,7 @@ TORCH_LIBRARY(llmserve, m) {
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);

@@ -1,4 +1,5 @@
-// Paged KV cache on the CPU: writing new tokens' K/V, and decode attention.
+// Paged KV cache on the CPU: writing new tokens' K/V, and attention over it for
+// decodes (one query token per sequence) and prefills (many, causal).
 //
 // Layout, per layer (see kernels/cpu_paged_attention.py):
 //   key_cache   [num_blocks, kv_heads, head_dim, block_size]  (K transposed per block)
@@ -237,55 +238,174 @@ void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int
 // (4 per thread); otherwise one per (sequence, KV head), so that a single
 // stream's attention still runs on every thread.
 template <typename q_t, typename scalar_t, int BS, int D>
-void decode_impl(const torch::Tensor& query, const torch::Tensor& key_cache,
-                 const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                 const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const int64_t B = query.size(0), H = query.size(1), q_stride = query.stride(0);
-  const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
-  const int64_t parts = B >= 4 * at::get_num_threads() ? 1 : KV, kv_count = KV / parts;
-  const q_t* q = query.data_ptr<q_t>();
-  const scalar_t* kc = key_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = value_cache.data_ptr<scalar_t>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  q_t* o = out.data_ptr<q_t>();
-  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
-    llmserve::FlushDenormals flush;
-    Scratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / parts, h0 = item % parts * kv_count, head = h0 * group * D;
-      decode_item<q_t, scalar_t, BS, D>(q + b * q_stride + head, kc, vc, table + b * max_blocks,
-                                        lens[b], KV, group, h0, kv_count, scale,
-                                        o + b * H * D + head, scratch);
-    }
-  });
+struct Decode {
+  static void run(const torch::Tensor& query, const torch::Tensor& key_cache,
+                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
+                  const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+    const int64_t B = query.size(0), H = query.size(1), q_stride = query.stride(0);
+    const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
+    const int64_t parts = B >= 4 * at::get_num_threads() ? 1 : KV, kv_count = KV / parts;
+    const q_t* q = query.data_ptr<q_t>();
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    const int64_t* table = block_table.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    q_t* o = out.data_ptr<q_t>();
+    at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+      llmserve::FlushDenormals flush;
+      Scratch scratch;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / parts, h0 = item % parts * kv_count, head = h0 * group * D;
+        decode_item<q_t, scalar_t, BS, D>(q + b * q_stride + head, kc, vc,
+                                          table + b * max_blocks, lens[b], KV, group, h0,
+                                          kv_count, scale, o + b * H * D + head, scratch);
+      }
+    });
+  }
+};
+
+// Query rows (positions x the query heads of one KV head) a prefill work item
+// serves: each K/V vector it loads from L1 is used by all of them, and its
+// scores stay within L2 for contexts of a few thousand tokens.
+constexpr int64_t kPrefillRows = 48;
+
+// One prefill work item: query positions [t0, t1) of one sequence, for the query
+// heads of KV head h, attending causally to the cache (which already holds the
+// step's own K/V): position t sees keys [0, prefix + t]. The walks are
+// decode_item's, over `rows` query rows; a row's keys past its position get
+// scores that exp() takes to 0, so every row can walk the tile's longest reach.
+template <typename q_t, typename scalar_t, int BS, int D>
+void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scalar_t* vc,
+                  const int64_t* row, int64_t prefix, int64_t t0, int64_t t1, int64_t kv_heads,
+                  int64_t group, int64_t h, double scale, q_t* out, Scratch& s) {
+  constexpr int most = heads_per_pass<D>();
+  const int64_t rows = (t1 - t0) * group, reach = prefix + t1;
+  const int64_t num_blocks = (reach + BS - 1) / BS, stride = num_blocks * BS;
+  const int64_t block = kv_heads * D * BS, head = h * D * BS;
+  s.q.resize(rows * D);
+  s.scores.resize(rows * stride);
+  s.acc.assign(rows * D, 0.f);
+  s.inv_sum.resize(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const q_t* src = q + (t0 + i / group) * q_stride + (h * group + i % group) * D;
+    for (int64_t d = 0; d < D; ++d) s.q[i * D + d] = static_cast<float>(src[d]) * scale;
+  }
+  for (int64_t n = 0; n < num_blocks; ++n)
+    for (int64_t i = 0; i < rows; i += most)
+      scores_of<scalar_t, BS, D>(std::min<int64_t>(most, rows - i), s.q.data() + i * D,
+                                 kc + row[n] * block + head,
+                                 s.scores.data() + i * stride + n * BS, stride);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* scores = s.scores.data() + i * stride;
+    std::fill(scores + prefix + t0 + i / group + 1, scores + stride, -1e30f);
+    s.inv_sum[i] = 1.f / softmax(scores, stride);
+  }
+  for (int64_t n = 0; n < num_blocks; ++n) {
+    const int64_t valid = std::min<int64_t>(BS, reach - n * BS);
+    for (int64_t i = 0; i < rows; i += most)
+      values_of<scalar_t, D>(std::min<int64_t>(most, rows - i),
+                             s.scores.data() + i * stride + n * BS, stride, valid,
+                             vc + row[n] * block + head, s.acc.data() + i * D);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    q_t* dst = out + (t0 + i / group) * q_stride + (h * group + i % group) * D;
+    for (int c = 0; c < D / 16; ++c)
+      llmserve::store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * s.inv_sum[i]);
+  }
 }
 
-// The block sizes and head dims the kernel is specialized for (registers and
+struct PrefillTile {
+  int64_t seq, kv_head, t0, t1;
+};
+
+// Every sequence with more than one query token, cut into tiles of positions
+// per KV head. A tile's cost grows with its position, and parallel_for hands
+// each thread one contiguous range: taking tiles alternately from both ends of
+// the list gives every range a like share of cheap and costly ones.
+template <typename q_t, typename scalar_t, int BS, int D>
+struct Prefill {
+  static void run(const torch::Tensor& query, const torch::Tensor& key_cache,
+                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
+                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                  double scale, torch::Tensor& out) {
+    const int64_t H = query.size(1), KV = key_cache.size(1), group = H / KV;
+    const int64_t positions = std::max<int64_t>(1, kPrefillRows / group);
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+    std::vector<PrefillTile> tiles;
+    for (int64_t b = 0; b < seq_lens.size(0); ++b) {
+      const int64_t q_len = starts[b + 1] - starts[b];
+      if (q_len < 2) continue;
+      for (int64_t t0 = 0; t0 < q_len; t0 += positions)
+        for (int64_t h = 0; h < KV; ++h)
+          tiles.push_back({b, h, t0, std::min(t0 + positions, q_len)});
+    }
+    const int64_t n = tiles.size(), q_stride = query.stride(0);
+    const q_t* q = query.data_ptr<q_t>();
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    const int64_t* table = block_table.data_ptr<int64_t>();
+    q_t* o = out.data_ptr<q_t>();
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      llmserve::FlushDenormals flush;
+      Scratch scratch;
+      for (int64_t k = begin; k < end; ++k) {
+        const PrefillTile& t = tiles[k % 2 == 0 ? k / 2 : n - 1 - k / 2];
+        const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
+        prefill_item<q_t, scalar_t, BS, D>(
+            q + starts[t.seq] * q_stride, q_stride, kc, vc,
+            table + t.seq * block_table.size(1), lens[t.seq] - q_len, t.t0, t.t1, KV, group,
+            t.kv_head, scale, o + starts[t.seq] * q_stride, scratch);
+      }
+    });
+  }
+};
+
+// The block sizes and head dims the kernels are specialized for (registers and
 // loop bounds fixed at compile time); kernels/cpu_paged_attention.py lists them.
-template <typename q_t, typename c_t, int BS>
-void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                       const torch::Tensor& table, const torch::Tensor& lens, double scale,
-                       torch::Tensor& out) {
-  switch (q.size(2)) {
-    case 32: return decode_impl<q_t, c_t, BS, 32>(q, kc, vc, table, lens, scale, out);
-    case 64: return decode_impl<q_t, c_t, BS, 64>(q, kc, vc, table, lens, scale, out);
-    case 96: return decode_impl<q_t, c_t, BS, 96>(q, kc, vc, table, lens, scale, out);
-    case 128: return decode_impl<q_t, c_t, BS, 128>(q, kc, vc, table, lens, scale, out);
+template <template <typename, typename, int, int> class Kernel, typename q_t, typename c_t,
+          int BS, typename... Args>
+void dispatch_head_dim(int64_t head_dim, Args&... args) {
+  switch (head_dim) {
+    case 32: return Kernel<q_t, c_t, BS, 32>::run(args...);
+    case 64: return Kernel<q_t, c_t, BS, 64>::run(args...);
+    case 96: return Kernel<q_t, c_t, BS, 96>::run(args...);
+    case 128: return Kernel<q_t, c_t, BS, 128>::run(args...);
     default: TORCH_CHECK(false, "head_dim must be 32, 64, 96 or 128 for the CPU kernel");
   }
 }
 
-template <typename q_t, typename c_t>
-void decode_dispatch(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                     const torch::Tensor& table, const torch::Tensor& lens, double scale,
-                     torch::Tensor& out) {
-  switch (kc.size(3)) {
-    case 16: return dispatch_head_dim<q_t, c_t, 16>(q, kc, vc, table, lens, scale, out);
-    case 32: return dispatch_head_dim<q_t, c_t, 32>(q, kc, vc, table, lens, scale, out);
-    case 128: return dispatch_head_dim<q_t, c_t, 128>(q, kc, vc, table, lens, scale, out);
+template <template <typename, typename, int, int> class Kernel, typename q_t, typename c_t,
+          typename... Args>
+void dispatch_shape(int64_t block_size, int64_t head_dim, Args&... args) {
+  switch (block_size) {
+    case 16: return dispatch_head_dim<Kernel, q_t, c_t, 16>(head_dim, args...);
+    case 32: return dispatch_head_dim<Kernel, q_t, c_t, 32>(head_dim, args...);
+    case 128: return dispatch_head_dim<Kernel, q_t, c_t, 128>(head_dim, args...);
     default: TORCH_CHECK(false, "block_size must be 16, 32 or 128 for the CPU kernel");
   }
+}
+
+// Kernel over (query, key_cache, ...): the query and cache in one dtype, or an
+// fp32 query (and output) over a 16-bit cache under an fp32 model.
+template <template <typename, typename, int, int> class Kernel, typename... Args>
+void dispatch_dtypes(const torch::Tensor& query, const torch::Tensor& key_cache,
+                     Args&... args) {
+  const int64_t block_size = key_cache.size(3), head_dim = query.size(2);
+  const auto cache_type = key_cache.scalar_type();
+  if (query.scalar_type() == cache_type) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "paged_attention", [&] {
+      dispatch_shape<Kernel, scalar_t, scalar_t>(block_size, head_dim, query, key_cache, args...);
+    });
+    return;
+  }
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 &&
+                  (cache_type == at::kBFloat16 || cache_type == at::kHalf),
+              "query and cache dtypes: equal, or an fp32 query with a bf16/fp16 cache");
+  if (cache_type == at::kBFloat16)
+    dispatch_shape<Kernel, float, at::BFloat16>(block_size, head_dim, query, key_cache, args...);
+  else
+    dispatch_shape<Kernel, float, at::Half>(block_size, head_dim, query, key_cache, args...);
 }
 
 // [T, heads, D] with each token's heads contiguous, as the kernels read them (any
@@ -321,24 +441,26 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   block_table = block_table.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  const auto cache_type = key_cache.scalar_type();
-  if (query.scalar_type() == cache_type) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "paged_decode_attention",
-                                    [&] {
-      decode_dispatch<scalar_t, scalar_t>(query, key_cache, value_cache, block_table, seq_lens,
-                                          scale, out);
-    });
-    return out;
-  }
-  // A 16-bit cache under an fp32 model: the query and the output stay fp32.
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 &&
-                  (cache_type == at::kBFloat16 || cache_type == at::kHalf),
-              "query and cache dtypes: equal, or an fp32 query with a bf16/fp16 cache");
-  if (cache_type == at::kBFloat16)
-    decode_dispatch<float, at::BFloat16>(query, key_cache, value_cache, block_table, seq_lens,
-                                         scale, out);
-  else
-    decode_dispatch<float, at::Half>(query, key_cache, value_cache, block_table, seq_lens, scale,
-                                     out);
+  dispatch_dtypes<Decode>(query, key_cache, value_cache, block_table, seq_lens, scale, out);
   return out;
+}
+
+void paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table,
+                             torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
+                             torch::Tensor out) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0,
+              "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query and out: contiguous [tokens, heads, head_dim] of one dtype");
+  block_table = block_table.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  query_start_loc = query_start_loc.to(torch::kInt64).contiguous();
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 &&
+                  block_table.size(0) == seq_lens.size(0),
+              "one block table row and seq_len per sequence, and one more query_start_loc");
+  dispatch_dtypes<Prefill>(query, key_cache, value_cache, block_table, seq_lens,
+                           query_start_loc, scale, out);
 }

@@ -1,0 +1,104 @@
+"""The C++ causal prefill attention over the paged cache against its torch
+reference, and that reference against dense causal attention on the original
+K/V: first chunks and continuations, mixed with decodes, in every dtype,
+block size and head dim the CPU backend takes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_paged_attention import (kv_cache_shape, paged_prefill_attention,
+                                         paged_prefill_attention_reference, split_kv_cache,
+                                         write_kv_cache)
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# (tokens already cached, query tokens) per sequence; 1 query token: a decode,
+# which the prefill kernel leaves alone.
+MIXED = [(0, 37), (5, 1), (100, 60), (0, 1), (17, 2), (0, 200), (3, 16)]
+
+
+class _Batch:
+    """Sequences whose K/V are in a paged cache of scattered blocks, with queries."""
+
+    def __init__(self, seqs, heads, kv_heads, d, block_size, dtype, cache_dtype, seed):
+        gen = torch.Generator().manual_seed(seed)
+        self.seq_lens = torch.tensor([p + q for p, q in seqs])
+        blocks_each = [-(-n // block_size) for n in self.seq_lens.tolist()]
+        num_blocks = sum(blocks_each) + 5
+        cache = torch.zeros(kv_cache_shape(num_blocks, block_size, kv_heads, d), dtype=cache_dtype)
+        self.key_cache, self.value_cache = split_kv_cache(cache, block_size)
+        free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.block_table = torch.zeros(len(seqs), max(blocks_each), dtype=torch.int64)
+        self.keys, self.values = [], []
+        for i, n in enumerate(self.seq_lens.tolist()):
+            self.block_table[i, :blocks_each[i]] = torch.tensor(free[:blocks_each[i]])
+            del free[:blocks_each[i]]
+            k, v = (torch.randn(n, kv_heads, d, generator=gen).to(dtype) for _ in range(2))
+            pos = torch.arange(n)
+            write_kv_cache(k, v, self.key_cache, self.value_cache,
+                           self.block_table[i, pos // block_size] * block_size + pos % block_size)
+            self.keys.append(k.to(cache_dtype).float())
+            self.values.append(v.to(cache_dtype).float())
+        self.query_start_loc = torch.tensor([0] + [q for _, q in seqs]).cumsum(0)
+        self.query = torch.randn(int(self.query_start_loc[-1]), heads, d, generator=gen).to(dtype)
+        self.scale = d ** -0.5
+
+    def run(self, attention) -> torch.Tensor:
+        out = torch.full_like(self.query, 7.0)  # rows the call must leave alone keep 7
+        attention(self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
+                  self.query_start_loc, self.scale, out)
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """Causal attention of each prefill's queries on its original K/V, fp32."""
+        out = torch.full(self.query.shape, 7.0)
+        for i, n in enumerate(self.seq_lens.tolist()):
+            start, end = self.query_start_loc[i].item(), self.query_start_loc[i + 1].item()
+            if end - start < 2:
+                continue
+            q = self.query[start:end].float().transpose(0, 1)
+            mask = torch.arange(n)[None, :] <= torch.arange(n - (end - start), n)[:, None]
+            out[start:end] = F.scaled_dot_product_attention(
+                q[None], self.keys[i].transpose(0, 1)[None], self.values[i].transpose(0, 1)[None],
+                attn_mask=mask, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
+        return out
+
+
+def _check(batch: _Batch, dtype) -> None:
+    got = batch.run(paged_prefill_attention)
+    want = batch.dense()
+    reference = batch.run(paged_prefill_attention_reference)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(reference.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 8), (4, 1), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_prefill_attention_equals_dense_causal_attention(heads, kv_heads, dtype, block_size):
+    """Block size 64 takes the torch reference; the others the kernel. Query
+    heads per KV head: 1, 2, 3, 4 (tiles of 48, 24 and 16 positions)."""
+    _check(_Batch(MIXED, heads, kv_heads, 64, block_size, dtype, dtype, seed=block_size + heads),
+           dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_prefill_attention_head_dims(head_dim):
+    """Each compiled head dim; at 96 and 128, passes of 2 query rows."""
+    _check(_Batch(MIXED, 9, 3, head_dim, 16, torch.float32, torch.float32, seed=head_dim),
+           torch.float32)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_prefill_over_a_sixteen_bit_cache_keeps_fp32(cache_dtype):
+    batch = _Batch(MIXED, 9, 3, 64, 16, torch.float32, cache_dtype, seed=3)
+    got = batch.run(paged_prefill_attention)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, batch.dense(), rtol=1e-5, atol=1e-5)
+
+
+def test_one_long_prompt_after_a_long_context():
+    """Tiles of one sequence shared out over the threads, each walking its own
+    causal reach over 40 scattered blocks."""
+    _check(_Batch([(500, 130)], 9, 3, 64, 16, torch.float32, torch.float32, seed=5),
+           torch.float32)
