@@ -1,6 +1,7 @@
 """The CPU backend's paged KV cache: its layout, writing new tokens' K/V, and
-attention over it (decodes, and causal prefills). C++ kernels (csrc/paged_attention.cpp) when they could
-be built, and the pure-torch references they are tested against.
+attention over it (decodes, and causal prefills). C++ kernels
+(csrc/paged_attention.cpp) when they could be built, and the pure-torch
+references they are tested against.
 
 Layout per layer: one tensor [2, num_blocks, kv_heads, block_size * head_dim]:
 - keys as [num_blocks, kv_heads, head_dim, block_size]: transposed per block, so
@@ -111,6 +112,8 @@ def paged_prefill_attention_reference(query, key_cache, value_cache, block_table
         # Query t sits at position seq_len - (end - start) + t and sees keys up to it.
         query_pos = torch.arange(seq_len - (end - start), seq_len)
         mask = torch.arange(seq_len)[None, :] <= query_pos[:, None]
+        # 4-D inputs: torch's fused CPU kernel takes those (3-D ones fall back to its
+        # math path, at about half the speed), and serves grouped K/V heads itself.
         out[start:end] = F.scaled_dot_product_attention(
             query[start:end].transpose(0, 1)[None], keys[None], values[None], scale=scale,
             attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)

@@ -26,9 +26,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
     block_size: int
-    # For the CPU backend: requests with a single query token (decodes) are
-    # attended to in one batched call, the others one by one. Built once per step,
-    # not once per layer.
+    # For the CPU backend: requests with a single query token (decodes) go to the
+    # decode kernel in one call, the others to the prefill kernel in another.
+    # Built once per step, not once per layer.
     decode_token_indices: torch.Tensor  # [num_decodes] int64
     decode_seq_lens: torch.Tensor  # [num_decodes] int64
     decode_block_table: torch.Tensor  # [num_decodes, the blocks the longest uses] int64
