@@ -198,9 +198,12 @@ def prepare_cpu_linears(model: nn.Module, dtype: torch.dtype,
         make, path = fp32_weights, fp32_path()
     else:
         return "F.linear"
-    if path == "oneDNN prepacked" and cpu_ops_available():
+    layers = linear_layers(model)
+    if path == "oneDNN prepacked" and any(gemv_takes(layer.weight.shape[1]) for layer in layers):
         path += f", our GEMV for <= {GEMV_OVER_ONEDNN_ROWS} rows"
-    for layer in linear_layers(model):
+        if not all(gemv_takes(layer.weight.shape[1]) for layer in layers):
+            path += " where the input width is a multiple of 16"
+    for layer in layers:
         layer.cpu_weights = make(layer.weight)
     return path
 

@@ -8,8 +8,8 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker import cpu_linear
 from services.worker.cpu_linear import (AMX_MAX_ROWS, GEMV_MAX_ROWS, GEMV_OVER_ONEDNN_ROWS,
-                                        AMXWeights, GemvForFewRows, fp32_path, matmul,
-                                        pack_amx_weight, prepare_cpu_linears)
+                                        AMXWeights, GemvForFewRows, OneDNNWeights, fp32_path,
+                                        matmul, pack_amx_weight, prepare_cpu_linears)
 from services.worker.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 
@@ -173,3 +173,20 @@ def test_fp32_takes_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch, intel):
     expected = model(x)
     assert prepare_cpu_linears(model, torch.float32, None).startswith(want)
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_path_name_says_which_layers_our_gemv_skips():
+    """The GEMV takes inputs whose width is a multiple of 16; a 40-wide layer keeps
+    oneDNN for every row count, and the path's name says so."""
+    model = nn.Sequential(nn.Linear(64, 40, bias=False), nn.Linear(40, 64, bias=False))
+    path = prepare_cpu_linears(model, torch.float32, None)
+    if path.startswith("oneDNN prepacked"):  # fp32 off Intel CPUs
+        assert path == (f"oneDNN prepacked, our GEMV for <= {GEMV_OVER_ONEDNN_ROWS} rows "
+                        "where the input width is a multiple of 16")
+        assert isinstance(model[0].cpu_weights, GemvForFewRows)
+        assert isinstance(model[1].cpu_weights, OneDNNWeights)
+    else:
+        assert "GEMV" not in path
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(matmul(model[1], matmul(model[0], x)), model(x), rtol=1e-5,
+                               atol=1e-5)
