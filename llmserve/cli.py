@@ -92,6 +92,9 @@ def _generate(argv: list[str]) -> int:
                         help="print every response message as a line of JSON")
     parser.add_argument("--request-id")
     parser.add_argument("--priority", type=int, default=0)
+    parser.add_argument("--lora-name",
+                        help="a LoRA adapter the server has loaded (--lora-modules, or "
+                             "LoadLoraAdapter); the base model when not given")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
     for name in _SCALAR_SAMPLING_FLAGS:
         default = getattr(defaults, name)
@@ -115,7 +118,8 @@ def _generate(argv: list[str]) -> int:
     with Client(args.address) as client:
         try:
             for response in client.generate(**inputs, sampling=params, timeout=args.timeout,
-                                            request_id=args.request_id, priority=args.priority):
+                                            request_id=args.request_id, priority=args.priority,
+                                            lora_name=args.lora_name):
                 if args.json:
                     print(json.dumps(MessageToDict(response)), flush=True)
                 elif params.n == 1:

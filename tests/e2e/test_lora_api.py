@@ -53,6 +53,22 @@ def test_adapters_over_grpc_mixed_in_one_batch(stack, client, lora_dirs, referen
     wait_all_blocks_free(stack)
 
 
+def test_generate_cli_names_an_adapter(stack, references):
+    """`llmserve generate --lora-name`: the adapter's greedy tokens, printed with --json."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "llmserve.cli", "generate", "--address",
+                          address(stack, "frontend"), "--no-chat", "--json", "--lora-name",
+                          "start-adapter", "--max-tokens", str(MAX_TOKENS), PROMPTS[0]],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    tokens = [int(t) for line in out.stdout.splitlines()
+              for t in json.loads(line).get("tokenIds", [])]
+    assert tokens == references["start-adapter"][0]
+    assert tokens != references[None][0]  # the adapter changes the answer
+
+
 def test_grpc_errors(client, lora_dirs, tmp_path):
     cases = [(lambda: client.load_lora_adapter("start-adapter", lora_dirs["runtime"]),
               grpc.StatusCode.ALREADY_EXISTS, "loaded already"),
