@@ -199,12 +199,14 @@ def prepare_cpu_linears(model: nn.Module, dtype: torch.dtype,
     else:
         return "F.linear"
     layers = linear_layers(model)
-    if path == "oneDNN prepacked" and any(gemv_takes(layer.weight.shape[1]) for layer in layers):
-        path += f", our GEMV for <= {GEMV_OVER_ONEDNN_ROWS} rows"
-        if not all(gemv_takes(layer.weight.shape[1]) for layer in layers):
-            path += " where the input width is a multiple of 16"
     for layer in layers:
         layer.cpu_weights = make(layer.weight)
+    # The name says what was built: with_gemv decides per layer.
+    on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
+    if path == "oneDNN prepacked" and any(on_gemv):
+        path += f", our GEMV for <= {GEMV_OVER_ONEDNN_ROWS} rows"
+        if not all(on_gemv):
+            path += " where the input width is a multiple of 16"
     return path
 
 
