@@ -53,6 +53,13 @@ class SchedulerConfig:
     max_step_tokens_while_decoding: int = 256
     # "fcfs", or "priority": lowest priority value first, then earliest arrival.
     policy: str = "fcfs"
+    # Schedule step N+1 while the workers run step N (vLLM's async scheduling), so
+    # that the scheduling and the hop to the workers leave no gap between their
+    # steps. Costs one more token's compute for a request that stops on EOS or a
+    # stop token. Off while a structured-outputs request runs (its bitmask needs
+    # the token in flight), and with in-process workers (the offline API), which
+    # run each step inside the call.
+    async_scheduling: bool = True
     # New requests beyond this many waiting are refused (RESOURCE_EXHAUSTED).
     max_waiting_requests: int = 1024
 
@@ -133,6 +140,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="priority: lower priority values are served first")
     parser.add_argument("--max-waiting-requests", type=int, default=d_sched.max_waiting_requests,
                         help="refuse new requests (RESOURCE_EXHAUSTED) beyond this many waiting")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="schedule each step only after the last one's output is back")
     d_lora = LoRAConfig()
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     parser.add_argument("--max-loras", type=int, default=d_lora.max_loras,
@@ -157,7 +166,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_step_tokens_while_decoding=(
                                       args.max_step_tokens_while_decoding),
                                   policy=args.policy,
-                                  max_waiting_requests=args.max_waiting_requests),
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  async_scheduling=args.async_scheduling),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         lora=LoRAConfig(enable_lora=args.enable_lora, max_loras=args.max_loras,
                         max_lora_rank=args.max_lora_rank),
@@ -179,6 +189,7 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
             "--max-step-tokens-while-decoding", str(s.max_step_tokens_while_decoding),
             "--scheduling-policy", s.policy,
             "--max-waiting-requests", str(s.max_waiting_requests),
+            *([] if s.async_scheduling else ["--no-async-scheduling"]),
             "--tensor-parallel-size", str(p.tensor_parallel_size),
             *([] if c.enable_prefix_caching else ["--no-prefix-caching"]),
             *(["--enable-lora"] if lora.enable_lora else []),

@@ -50,6 +50,9 @@ class CachedRequestData:
 
 @dataclass
 class SchedulerOutput:
+    # The scheduler's count of steps. Engine core only: the workers run steps in
+    # the order they are sent (GrpcExecutor numbers its calls for that).
+    step_id: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     # Tokens to compute this step, per request (new and cached).

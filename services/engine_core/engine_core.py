@@ -1,9 +1,13 @@
-"""EngineCore: step = schedule -> execute on the workers -> update requests."""
+"""EngineCore: step = schedule -> execute on the workers -> update requests; with
+async scheduling, the next step is scheduled and sent before the last one's
+output is applied."""
 from __future__ import annotations
 
-import contextlib
+import collections
 import logging
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from services.common import tracing
 from services.common.config import EngineConfig
@@ -11,7 +15,8 @@ from services.common.errors import InvalidArgument
 from services.common.lora import LoRARequest
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats)
-from services.engine_core.executor import Executor
+from services.common.scheduler_output import SchedulerOutput
+from services.engine_core.executor import Executor, PendingStep
 from services.engine_core.grammar import GrammarCompiler, RequestGrammar
 from services.engine_core.lora_registry import LoRARegistry
 from services.engine_core.request import Request
@@ -22,6 +27,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _tracer = tracing.tracer(__name__)
+
+
+@dataclass
+class _StepInFlight:
+    scheduler_output: SchedulerOutput
+    pending: PendingStep
+    span: object  # its engine_core.step span, or None without an exporter
+    sent_at: float  # time.perf_counter()
 
 
 class EngineCore:
@@ -41,8 +54,13 @@ class EngineCore:
                                block_size=config.cache.block_size, num_kv_blocks=num_blocks,
                                dtype=loaded.dtype, vocab_size=loaded.vocab_size)
         self.grammar_compiler = GrammarCompiler(config.model.model, loaded.vocab_size)
-        self.num_steps = 0
         self.num_scheduled_tokens_last_step = 0
+        # Sent to the workers, output not back yet: at most one between step()
+        # calls, and only with async scheduling.
+        self._in_flight: collections.deque[_StepInFlight] = collections.deque()
+        self._last_step_done_at = 0.0
+        # Called with each step's seconds and tokens once its output is applied.
+        self.on_step_done: Callable[[float, int], None] | None = None
         logger.info("engine core ready: %d KV blocks of %d tokens, dtype %s",
                     num_blocks, config.cache.block_size, loaded.dtype)
 
@@ -76,28 +94,82 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def num_steps(self) -> int:
+        return self.scheduler.num_steps
+
     def has_work(self) -> bool:
-        """Something for step() to do: requests to run or finished ones to report."""
-        return self.scheduler.has_work()
+        """Something for step() to do: requests to run, finished ones to report,
+        or a step in flight."""
+        return bool(self._in_flight) or self.scheduler.has_work()
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        self.num_steps += 1
+        """Schedules a step and sends it to the workers, then waits for the steps
+        in flight and returns their outputs. With async scheduling the step just
+        sent stays in flight, so the workers find it queued when they finish the
+        one before: the first call of a run returns []."""
+        sent = self._send(self.scheduler.schedule())
+        keep_one = sent and self._overlap_steps()
+        outputs = []
+        while len(self._in_flight) > (1 if keep_one else 0):
+            outputs += self._receive(self._in_flight.popleft())
+        return outputs
+
+    def _overlap_steps(self) -> bool:
+        """Async scheduling, where the workers run apart from this thread, unless
+        a structured-outputs request runs: its next bitmask needs the token in
+        flight, so overlapped steps would leave it out of every other one."""
+        return (self.config.scheduler.async_scheduling and self.executor.overlaps_steps
+                and not any(r.grammar is not None for r in self.scheduler.running))
+
+    def _receive(self, step: _StepInFlight) -> list[EngineCoreOutput]:
+        """Waits for a step's output and applies it."""
+        try:
+            runner_output = step.pending.result()
+        except Exception:
+            self._in_flight.clear()  # the workers failed: any later step is lost too
+            raise
+        finally:
+            if step.span is not None:
+                step.span.end()
+        outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        self._step_done(step)
+        return outputs
+
+    def _step_done(self, step: _StepInFlight) -> None:
+        """Reports the step's time: from when the workers could start it (it was
+        sent and the step before it was back) to its output applied."""
+        now = time.perf_counter()
+        num_tokens = step.scheduler_output.total_num_scheduled_tokens
+        if self.on_step_done is not None and num_tokens:  # not one that only drops requests
+            self.on_step_done(now - max(step.sent_at, self._last_step_done_at), num_tokens)
+        self._last_step_done_at = now
+
+    def _send(self, scheduler_output: SchedulerOutput) -> bool:
+        """Sends a non-empty step to the workers; False for an empty one."""
         self.num_scheduled_tokens_last_step = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.is_empty:
-            return []
-        with self._step_span(scheduler_output):
-            runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return False
+        span = self._step_span(scheduler_output)
+        try:
+            pending = self.executor.execute_model_async(scheduler_output)
+        except Exception:
+            if span is not None:
+                span.end()
+            raise
+        self._in_flight.append(_StepInFlight(scheduler_output, pending, span,
+                                             time.perf_counter()))
+        return True
 
     def _step_span(self, scheduler_output):
-        """A span per step, linked to the requests it serves; nothing without an exporter."""
+        """A span per step, from its sending to its output, linked to the requests
+        it serves; None without an exporter."""
         if not tracing.is_exporting():
-            return contextlib.nullcontext()
+            return None
         requests = self.scheduler.requests
         headers = [requests[r].trace_headers for r in scheduler_output.num_scheduled_tokens
                    if r in requests]
-        return _tracer.start_as_current_span(
+        return _tracer.start_span(
             "engine_core.step", links=tracing.links_to(headers), attributes={
                 "llmserve.step.num_requests": len(scheduler_output.num_scheduled_tokens),
                 "llmserve.step.num_tokens": scheduler_output.total_num_scheduled_tokens})
@@ -107,6 +179,7 @@ class EngineCore:
         the KV cache into the workers again, and requeues every unfinished request
         to be recomputed from its prompt and the tokens it already has, so that
         each goes on where it was. Raises while the workers are not back."""
+        self._in_flight.clear()
         self.scheduler.requeue_all()
         self.executor.reconnect()
         self.executor.load_model(self.config.model, self.config.cache, self.config.parallel,

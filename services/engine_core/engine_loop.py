@@ -61,6 +61,8 @@ class EngineLoop:
     def __init__(self, core: EngineCore, metrics: EngineCoreMetrics | None = None):
         self.core = core
         self.metrics = metrics
+        if metrics is not None:
+            core.on_step_done = metrics.observe_step
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, OutputSink] = {}  # by request id; loop thread only
         self._stopped = False
@@ -175,12 +177,7 @@ class EngineLoop:
                     self._fail_all(e)
 
     def _step(self) -> None:
-        start = time.perf_counter()
-        outputs = self.core.step()
-        if self.metrics is not None and self.core.num_scheduled_tokens_last_step:
-            self.metrics.observe_step(time.perf_counter() - start,
-                                      self.core.num_scheduled_tokens_last_step)
-        self._dispatch(outputs)
+        self._dispatch(self.core.step())
 
     def _recover_workers(self) -> bool:
         """Retries EngineCore.recover_workers, with backoff, until the workers are

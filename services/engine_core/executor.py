@@ -2,19 +2,38 @@
 from __future__ import annotations
 
 import abc
+import concurrent.futures
+from typing import Callable
+
 import grpc
 
 from services.common import convert
 from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 from services.common.errors import from_rpc_error
+from services.common.futures import run_into_future
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.common.tls import TlsConfig, sync_channel
 
 
+class PendingStep:
+    """A step sent to the workers: result() waits for rank 0's output, or raises
+    the step's error."""
+
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]):
+        self._wait = wait
+
+    def result(self) -> ModelRunnerOutput:
+        return self._wait()
+
+
 class Executor(abc.ABC):
     """Runs each step on every worker and returns rank 0's result."""
+
+    # Whether a step can run on the workers while the engine core schedules the
+    # next one (async scheduling); not when the workers run inside the call.
+    overlaps_steps = False
 
     @abc.abstractmethod
     def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -36,6 +55,13 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Sends the step and returns without waiting for it (async scheduling).
+        Here: runs it first, for executors whose workers run inside the call."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        run_into_future(future, self.execute_model, scheduler_output)
+        return PendingStep(future.result)
 
     def reconnect(self) -> None:
         """Waits until restarted workers answer again; raises if they cannot come
@@ -82,11 +108,15 @@ class InprocExecutor(Executor):
 class GrpcExecutor(Executor):
     """Talks to remote worker processes; each step goes to every worker."""
 
+    overlaps_steps = True
+
     def __init__(self, addresses: list[str], tls: TlsConfig = TlsConfig(),
                  rpc_timeout_s: float = 600.0):
         self.channels = [sync_channel(a, tls) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.rpc_timeout_s = rpc_timeout_s
+        self._next_step_sequence = 0  # SchedulerOutput.sequence of the next step
+        self._last_step_sent: list[grpc.Future] = []
 
     def wait_ready(self, timeout_s: float) -> None:
         for channel in self.channels:
@@ -96,10 +126,16 @@ class GrpcExecutor(Executor):
         self.wait_ready(timeout_s)
 
     def _call_all(self, method: str, request):
+        return self._responses(self._start_all(method, request))
+
+    def _start_all(self, method: str, request) -> list[grpc.Future]:
+        return [getattr(stub, method).future(request, timeout=self.rpc_timeout_s)
+                for stub in self.stubs]
+
+    @staticmethod
+    def _responses(futures: list[grpc.Future]):
         """Every rank's response. When ranks fail, a lost rank (UNAVAILABLE) is the
         error raised: the others' errors (a collective cut short) follow from it."""
-        futures = [getattr(stub, method).future(request, timeout=self.rpc_timeout_s)
-                   for stub in self.stubs]
         responses, errors = [], []
         for future in futures:
             try:
@@ -119,7 +155,15 @@ class GrpcExecutor(Executor):
             model_config, cache_config, parallel_config, lora_config))
         return convert.loaded_model_from_proto(responses[0])
 
+    def _wait_for_steps_sent(self) -> None:
+        """Adapters change between steps: a step sent under async scheduling may
+        still use the one about to go. Workers run steps in order, so the last
+        one sent is the one to wait for."""
+        for future in self._last_step_sent:
+            future.exception()  # waits; its error is the step's caller's to see
+
     def add_lora(self, lora_id, lora_path):
+        self._wait_for_steps_sent()
         try:
             self._call_all("AddLora", worker_pb2.AddLoraRequest(lora_id=lora_id,
                                                                 lora_path=lora_path))
@@ -127,6 +171,7 @@ class GrpcExecutor(Executor):
             raise from_rpc_error(e) from None
 
     def remove_lora(self, lora_id):
+        self._wait_for_steps_sent()
         self._call_all("RemoveLora", worker_pb2.RemoveLoraRequest(lora_id=lora_id))
 
     def determine_num_kv_blocks(self):
@@ -136,11 +181,18 @@ class GrpcExecutor(Executor):
 
     def init_kv_cache(self, num_blocks):
         self._call_all("InitKvCache", worker_pb2.InitKvCacheRequest(num_blocks=num_blocks))
+        self._next_step_sequence = 0
 
     def execute_model(self, scheduler_output):
-        responses = self._call_all("ExecuteModel",
-                                   convert.scheduler_output_to_proto(scheduler_output))
-        return convert.model_runner_output_from_proto(responses[0])
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output):
+        request = convert.scheduler_output_to_proto(scheduler_output)
+        request.sequence = self._next_step_sequence
+        self._next_step_sequence += 1
+        futures = self._last_step_sent = self._start_all("ExecuteModel", request)
+        return PendingStep(
+            lambda: convert.model_runner_output_from_proto(self._responses(futures)[0]))
 
     def shutdown(self):
         for channel in self.channels:

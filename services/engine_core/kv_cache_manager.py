@@ -78,7 +78,10 @@ class KVCacheManager:
         new_blocks = self.block_pool.allocate(num_new_blocks)
         blocks.extend(new_blocks)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+            # Up to the known tokens: an in-flight one (async scheduling) has no
+            # hash yet; its block is registered on a later step.
+            self._cache_full_blocks(request, blocks,
+                                    min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in new_blocks]
 
     def block_ids(self, request_id: str) -> list[int]:

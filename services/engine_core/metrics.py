@@ -38,7 +38,8 @@ class EngineCoreMetrics:
         metrics.read_when_scraped(_SCRAPED, self._readings)
         self.step_time = metrics.histogram(
             "llmserve:engine_step_duration_seconds",
-            "Seconds per engine step: schedule, execute on the workers, update.",
+            "Seconds per engine step: schedule, execute on the workers, update "
+            "(with async scheduling, from the step before it being back to its own).",
             _STEP_BUCKETS, [_M]).labels(**self._labels)
         self.step_tokens = metrics.histogram(
             "llmserve:iteration_tokens_total", "Tokens computed per engine step.",

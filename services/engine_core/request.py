@@ -34,10 +34,15 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    # Tokens whose KV is in the cache (or is being computed by the current step).
+    # Tokens whose KV is in the cache (or is being computed by a step in flight).
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight (async scheduling), not yet in
+    # output_token_ids: the next step already computes the first of them.
+    num_output_placeholders: int = 0
     # Prompt tokens served from the prefix cache when first scheduled.
     num_cached_tokens: int = 0
+    # The step that first scheduled it (SchedulerOutput.step_id); 0: none yet.
+    first_step_id: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: always prompt_token_ids + output_token_ids, kept to avoid a copy per step.
     all_token_ids: list[int] = field(init=False)
@@ -78,6 +83,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens, in-flight ones included, whose KV no step has computed yet."""
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+
+    def in_flight_tokens_end_it(self, max_model_len: int) -> bool:
+        """Its in-flight tokens take it to max_tokens or max_model_len: no step after
+        them can add one."""
+        pending = self.num_output_placeholders
+        return pending > 0 and (self.num_output_tokens + pending >= self.sampling_params.max_tokens
+                                or self.num_tokens + pending >= max_model_len)
 
     @property
     def is_finished(self) -> bool:

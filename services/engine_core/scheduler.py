@@ -43,6 +43,7 @@ class Scheduler:
         # Finished since the last schedule(): sent to workers so they drop state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the last step's SchedulerOutput.step_id
         # NOTE: a counter, not a scan of `waiting`: stats are read from another
         # thread while this one changes the queues.
         self.num_preempted = 0  # waiting requests whose status is PREEMPTED
@@ -76,11 +77,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status is RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-                self.num_preempted -= request.status is RequestStatus.PREEMPTED
+            self._dequeue(request)
             self._finish(request, FinishReason.ABORT)
             outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT,
                                             request.num_cached_tokens, events=request.events))
@@ -104,13 +101,20 @@ class Scheduler:
             self._preempt(request)
         self.running = []
         self.finished_request_ids.clear()  # the new workers never saw them
+        for request in self.requests.values():  # the steps in flight are lost
+            request.num_output_placeholders = 0
         self.kv_cache_manager.reset_prefix_cache()
 
 
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput(finished_request_ids=sorted(self.finished_request_ids))
+        """The next step. With async scheduling it may be called again before the
+        last step's output is back: each request's in-flight sampled tokens are
+        placeholders, which the next step computes as the workers know them."""
+        self.num_steps += 1
+        output = SchedulerOutput(step_id=self.num_steps,
+                                 finished_request_ids=sorted(self.finished_request_ids))
         self.finished_request_ids.clear()
         budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
         preempted = self._schedule_running(output, budget)
@@ -118,19 +122,20 @@ class Scheduler:
             self._schedule_waiting(output, budget)
         for request_id, num_new in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
-            if num_new > 1 or request.num_computed_tokens != request.num_tokens - 1:
+            if num_new != 1 or request.num_uncomputed_tokens != 1:
                 request.record(Event.PREFILL_CHUNK, num_new)  # not a decode
             request.num_computed_tokens += num_new
-            if request.grammar is not None and request.num_computed_tokens == request.num_tokens:
-                # It samples this step: the tokens its grammar allows next.
-                output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
+            if request.num_uncomputed_tokens == 0:  # it samples this step
+                if request.grammar is not None:  # the tokens its grammar allows next
+                    output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
+                request.num_output_placeholders += 1
         return output
 
     def _prefill_cap(self) -> int | None:
         """How many prompt tokens this step may compute, if capped (see
         SchedulerConfig.max_step_tokens_while_decoding)."""
         step_tokens = self.config.max_step_tokens_while_decoding
-        num_decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        num_decoding = sum(r.num_uncomputed_tokens == 1 for r in self.running)
         if not step_tokens or not num_decoding:
             return None
         # A step costs about its token count, so bounding the count bounds every
@@ -146,8 +151,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
-            num_new = budget.grant(request.request_id,
-                                   request.num_tokens - request.num_computed_tokens)
+            if self._waits_for_in_flight_tokens(request):
+                index += 1
+                continue
+            num_new = budget.grant(request.request_id, request.num_uncomputed_tokens)
             if num_new == 0:  # a prompt chunk, and the prefill cap is spent
                 index += 1
                 continue
@@ -182,7 +189,9 @@ class Scheduler:
         while (self.waiting and budget.tokens > 0 and budget.prefill_left != 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            if not self._lora_slot_free(request):
+            # A request preempted while its step was in flight resumes once that
+            # step's token is in its output (all_token_ids is what it recomputes).
+            if not self._lora_slot_free(request) or request.num_output_placeholders:
                 skipped.append(self.waiting.pop())
             elif not self._admit(request, output, budget):
                 break  # no KV room for the head: nothing behind it jumps ahead
@@ -202,6 +211,7 @@ class Scheduler:
         self.running.append(request)
         if request.status is RequestStatus.WAITING:  # not a resumed preemption
             request.num_cached_tokens = num_cached
+            request.first_step_id = output.step_id
         else:
             self.num_preempted -= 1
         request.status = RequestStatus.RUNNING
@@ -225,24 +235,31 @@ class Scheduler:
         """Appends sampled tokens, applies stop conditions, frees finished requests."""
         outputs = []
         finished = False
-        for request_id in scheduler_output.num_scheduled_tokens:
+        starts = {r.request_id: r.num_computed_tokens
+                  for r in (*scheduler_output.new_requests, *scheduler_output.cached_requests)}
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
-            if request is None:  # aborted since
+            # Aborted or finished since; or, with async scheduling, finished and
+            # followed by a new request under the same id.
+            if request is None or request.first_step_id > scheduler_output.step_id:
                 continue
             token_id = runner_output.sampled_token_ids.get(request_id)
             prompt_logprobs = self._new_prompt_logprobs(
-                request, scheduler_output.num_scheduled_tokens[request_id],
+                request, starts[request_id], num_scheduled,
                 runner_output.prompt_logprobs.get(request_id, []))
             if token_id is None:  # a partial prefill chunk
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(request_id, [], None, request.num_cached_tokens,
                                                     prompt_logprobs=prompt_logprobs))
                 continue
+            request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             if request.num_output_tokens == 1:
                 request.record(Event.FIRST_TOKEN)
             reason = request.stop_reason_after_last_token(self.max_model_len)
             if reason is not None:
+                if request.status is RequestStatus.PREEMPTED:  # while its step was in flight
+                    self._dequeue(request)
                 self._finish(request, reason)
                 finished = True
             logprobs = runner_output.logprobs.get(request_id)
@@ -258,16 +275,25 @@ class Scheduler:
     # ---- internals -------------------------------------------------------------
 
     @staticmethod
-    def _new_prompt_logprobs(request: Request, num_scheduled: int, chunk: list) -> list:
+    def _new_prompt_logprobs(request: Request, start: int, num_scheduled: int,
+                             chunk: list) -> list:
         """Drops prompt logprobs already reported before a preemption made the
         request recompute its prompt. chunk[j] is for prompt token start + 1 + j."""
         if not chunk:
             return chunk
-        start = request.num_computed_tokens - num_scheduled
         chunk = chunk[max(0, request.num_prompt_logprobs_reported - start):]
         request.num_prompt_logprobs_reported = max(request.num_prompt_logprobs_reported,
                                                    start + num_scheduled)
         return chunk
+
+    def _waits_for_in_flight_tokens(self, request: Request) -> bool:
+        """Async scheduling: whether the request sits this step out until its
+        in-flight tokens are back. A structured-outputs request needs them for
+        its grammar's next bitmask (the engine core stops overlapping steps while
+        one runs, so this happens once, to one admitted while a step was in
+        flight); one they take to its length limit is done."""
+        return request.num_output_placeholders > 0 and (
+            request.grammar is not None or request.in_flight_tokens_end_it(self.max_model_len))
 
     def _lora_slot_free(self, request: Request) -> bool:
         """Whether admitting the request keeps the running adapters within max_loras."""
@@ -282,6 +308,14 @@ class Scheduler:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
+
+    def _dequeue(self, request: Request) -> None:
+        """Takes a live request out of `running` or `waiting`, wherever it is."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+            self.num_preempted -= request.status is RequestStatus.PREEMPTED
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -7,6 +7,7 @@ from typing import Awaitable, Callable
 from services.common import convert
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.metrics import WorkerMetrics
+from services.worker.step_order import StepOrder
 from services.worker.worker import Worker
 
 
@@ -21,6 +22,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # step): a thread by default, the main thread in the worker process.
         self.run = run
         self.execute_model = metrics.execute_model if metrics else worker.execute_model
+        self.step_order = StepOrder()
 
     async def LoadModel(self, request, context):
         loaded = await self.run(self.worker.load_model,
@@ -34,6 +36,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def InitKvCache(self, request, context):
         await self.run(self.worker.init_kv_cache, request.num_blocks)
+        await self.step_order.reset()
         if self.on_ready is not None:
             await self.on_ready()
         return worker_pb2.InitKvCacheResponse()
@@ -47,5 +50,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.RemoveLoraResponse()
 
     async def ExecuteModel(self, request, context):
-        output = await self.run(self.execute_model, convert.scheduler_output_from_proto(request))
+        # Converted while the step before it may still run.
+        scheduler_output = convert.scheduler_output_from_proto(request)
+        async with self.step_order.turn(request.sequence):
+            output = await self.run(self.execute_model, scheduler_output)
         return convert.model_runner_output_to_proto(output)

@@ -26,6 +26,10 @@ def reference_tokens(prompt: list[int], max_tokens: int, eos: set[int],
 
 
 class FakeExecutor(Executor):
+    # As a remote worker's executor: the engine core overlaps steps when its
+    # config asks (the fake still runs each step inside the call).
+    overlaps_steps = True
+
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -55,28 +55,34 @@ operations = st.lists(st.one_of(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(10, 24), budget=st.integers(4, 48),
        max_seqs=st.integers(2, 8), policy=st.sampled_from(["fcfs", "priority"]),
-       prefix_caching=st.booleans(), max_loras=st.integers(1, 2))
+       prefix_caching=st.booleans(), max_loras=st.integers(1, 2),
+       async_scheduling=st.booleans())
 def test_random_add_abort_step(ops, num_blocks, budget, max_seqs, policy, prefix_caching,
-                               max_loras):
+                               max_loras, async_scheduling):
     max_model_len = num_blocks * BLOCK_SIZE // 2
     config = EngineConfig(
         model=ModelConfig(model="fake", max_model_len=max_model_len),
         cache=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                  policy=policy),
+                                  policy=policy, async_scheduling=async_scheduling),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras))
     core = EngineCore(config, FakeExecutor(num_blocks, BLOCK_SIZE))
     scheduler = core.scheduler
+    execute_model = core.executor.execute_model
+
+    def checked_execute_model(so):
+        assert so.total_num_scheduled_tokens <= budget
+        assert len(so.num_scheduled_tokens) <= max_seqs
+        return execute_model(so)
+    core.executor.execute_model = checked_execute_model
     prefixes = [[(11 * p + i) % 100 + 10 for i in range(12)] for p in range(4)]
     added, aborted, produced, finish = [], set(), {}, {}
 
     def step():
-        so = scheduler.schedule()
-        assert so.total_num_scheduled_tokens <= budget
-        assert len(so.num_scheduled_tokens) <= max_seqs
-        runner_output = core.executor.execute_model(so) if not so.is_empty else None
-        outputs = scheduler.update_from_output(so, runner_output) if runner_output else []
-        for output in outputs:
+        # With async scheduling each step is scheduled before the last one's
+        # tokens are back: in-flight placeholders, preemption of a request whose
+        # step is in flight, an extra step after EOS.
+        for output in core.step():
             produced.setdefault(output.request_id, []).extend(output.new_token_ids)
             if output.finished:
                 finish[output.request_id] = output.finish_reason

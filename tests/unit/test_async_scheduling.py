@@ -1,0 +1,130 @@
+"""Async scheduling: the engine core schedules and sends step N + 1 before step
+N's output is back (fake executor), and the worker runs steps in the order they
+were sent whatever order their calls arrive in."""
+import asyncio
+
+import pytest
+
+from services.common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from services.common.errors import FailedPrecondition
+from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
+from services.engine_core.engine_core import EngineCore
+from services.worker.step_order import StepOrder
+from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens
+
+BLOCK_SIZE = 4
+
+
+def make_core(num_blocks=64, max_model_len=64, async_scheduling=True) -> EngineCore:
+    config = EngineConfig(model=ModelConfig(model="fake", max_model_len=max_model_len),
+                          cache=CacheConfig(block_size=BLOCK_SIZE),
+                          scheduler=SchedulerConfig(async_scheduling=async_scheduling))
+    return EngineCore(config, FakeExecutor(num_blocks, BLOCK_SIZE))
+
+
+def run_to_end(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
+    tokens, reasons = {}, {}
+    while core.has_work():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+    return tokens, reasons
+
+
+def assert_all_free(core: EngineCore, num_blocks: int) -> None:
+    assert core.scheduler.kv_cache_manager.num_free_blocks == num_blocks
+    assert core.executor.requests == {}, "the worker was not told every request finished"
+    assert not core.scheduler.waiting and not core.scheduler.running
+
+
+def test_each_step_is_sent_before_the_last_ones_output_is_applied():
+    core = make_core()
+    updates_at_send = []
+    execute, update = core.executor.execute_model, core.scheduler.update_from_output
+    num_updates = 0
+
+    def counting_update(*args):
+        nonlocal num_updates
+        num_updates += 1
+        return update(*args)
+    core.scheduler.update_from_output = counting_update
+    core.executor.execute_model = lambda so: (updates_at_send.append(num_updates), execute(so))[1]
+    steps_done = []
+    core.on_step_done = lambda seconds, num_tokens: steps_done.append(num_tokens)
+    prompts = {f"r{i}": [3 + i, 5, 7 + i] for i in range(3)}
+    for request_id, prompt in prompts.items():
+        core.add_request(EngineCoreRequest(request_id, prompt, SamplingParams(max_tokens=6)))
+    tokens, reasons = run_to_end(core)
+    assert steps_done == [9, 3, 3, 3, 3, 3]  # the prefills, then 5 decode steps
+    # Step k (from 0) goes out when k - 1 outputs are in: one step always in
+    # flight. No step computes past max_tokens: the 7th only tells the worker
+    # that the requests finished.
+    assert updates_at_send == [0, 0, 1, 2, 3, 4, 6]
+    for request_id, prompt in prompts.items():
+        assert tokens[request_id] == reference_tokens(prompt, 6, set(), 64)
+        assert reasons[request_id] is FinishReason.LENGTH
+    assert_all_free(core, 64)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_stop_token_ends_a_request_whose_next_step_is_in_flight(async_scheduling):
+    core = make_core(async_scheduling=async_scheduling)
+    prompt = [1, 2, 3]
+    stop = reference_tokens(prompt, 3, set(), 64)[1]  # its second token
+    core.add_request(EngineCoreRequest("r", prompt, SamplingParams(max_tokens=10), [stop]))
+    tokens, reasons = run_to_end(core)
+    assert tokens["r"] == reference_tokens(prompt, 10, {stop}, 64)
+    assert reasons["r"] is FinishReason.STOP
+    assert_all_free(core, 64)
+
+
+def test_a_request_id_reused_at_once_does_not_get_the_old_requests_token():
+    core = make_core()
+    first = [1, 2, 3]
+    core.add_request(EngineCoreRequest("r", first, SamplingParams(max_tokens=10),
+                                       [next_token(first)]))
+    assert core.step() == []  # its prefill is in flight
+    [ended] = core.step()  # its extra decode is sent, then the EOS comes back
+    assert ended.finished and ended.new_token_ids == [next_token(first)]
+    second = [40, 50, 60, 70]
+    core.add_request(EngineCoreRequest("r", second, SamplingParams(max_tokens=5)))
+    tokens, reasons = run_to_end(core)
+    assert tokens["r"] == reference_tokens(second, 5, set(), 64)
+    assert_all_free(core, 64)
+
+
+def test_a_request_preempted_while_its_step_is_in_flight_can_still_finish():
+    # 3 blocks of 4: two 4-token prompts fill two; each needs a second block to
+    # decode, so scheduling step 2 preempts B while its prefill is in flight, and
+    # the token that prefill samples (a stop token) then ends B in the waiting queue.
+    core = make_core(num_blocks=3, max_model_len=12)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    core.add_request(EngineCoreRequest("a", a, SamplingParams(max_tokens=3)))
+    core.add_request(EngineCoreRequest("b", b, SamplingParams(max_tokens=3), [next_token(b)]))
+    tokens, reasons = run_to_end(core)
+    assert core.scheduler.num_preemptions == 1
+    assert tokens == {"a": reference_tokens(a, 3, set(), 12), "b": [next_token(b)]}
+    assert reasons == {"a": FinishReason.LENGTH, "b": FinishReason.STOP}
+    assert core.scheduler.num_preempted == 0
+    assert_all_free(core, 3)
+
+
+def test_the_worker_runs_steps_in_the_order_they_were_sent():
+    async def main():
+        order, ran = StepOrder(), []
+
+        async def step(sequence):
+            async with order.turn(sequence):
+                await asyncio.sleep(0)
+                ran.append(sequence)
+        await asyncio.gather(step(2), step(1), step(0))
+        assert ran == [0, 1, 2]
+        late = asyncio.create_task(step(5))  # 3 and 4 never come
+        await asyncio.sleep(0.01)
+        await order.reset()  # the engine core set the KV cache up again
+        with pytest.raises(FailedPrecondition):
+            await late
+        await step(0)
+        assert ran == [0, 1, 2, 0]
+    asyncio.run(main())
