@@ -60,7 +60,6 @@ class _RequestStream:
 class EngineLoop:
     def __init__(self, core: EngineCore, metrics: EngineCoreMetrics | None = None):
         self.core = core
-        self.metrics = metrics
         if metrics is not None:
             core.on_step_done = metrics.observe_step
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

@@ -289,9 +289,9 @@ class Scheduler:
     def _waits_for_in_flight_tokens(self, request: Request) -> bool:
         """Async scheduling: whether the request sits this step out until its
         in-flight tokens are back. A structured-outputs request needs them for
-        its grammar's next bitmask (the engine core stops overlapping steps while
-        one runs, so this happens once, to one admitted while a step was in
-        flight); one they take to its length limit is done."""
+        its grammar's next bitmask (EngineCore never overlaps steps while one
+        runs, so there this only guards the scheduler's own rule); one they take
+        to its length limit is done."""
         return request.num_output_placeholders > 0 and (
             request.grammar is not None or request.in_flight_tokens_end_it(self.max_model_len))
 
