@@ -154,10 +154,17 @@ inline float* scratch(int slot, int64_t n) {
   return rows[slot].data();
 }
 
+// Halving sum: four dependent adds, not sixteen (without -ffast-math the
+// compiler keeps a loop's order). The GEMV ends every output with one, and a
+// bf16 weight row of 576 streams in about the time the chain of sixteen took.
 inline float sum16(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  typedef float vf8 __attribute__((vector_size(32)));
+  typedef float vf4 __attribute__((vector_size(16)));
+  const vf8 eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) +
+                   __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
 // e^x within 2 ulp for x in [-87, 88] (clamped outside: e^-87 is ~0 and e^88

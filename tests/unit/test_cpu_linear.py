@@ -30,13 +30,19 @@ def test_gemv_sums_in_fp32(rows, weight_dtype, k):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_gemv_returns_x_dtype_and_rejects_what_it_cannot_read():
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+def test_gemv_returns_x_dtype_and_rejects_what_it_cannot_read(x_dtype):
+    x = torch.randn(2, 64, dtype=x_dtype)
     weight = torch.randn(40, 64, dtype=torch.bfloat16)
     got = torch.ops.llmserve.gemv(x, weight)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == x_dtype
     want = F.linear(x.double(), weight.double())
     torch.testing.assert_close(got.double(), want, rtol=2.0 ** -8, atol=1e-6)  # one rounding
+    # The kernel widens x and narrows its sums itself: as torch's conversions would.
+    assert torch.equal(got, torch.ops.llmserve.gemv(x.float(), weight).to(x_dtype))
+    strided = torch.randn(64, 2, dtype=x_dtype).t()
+    assert torch.equal(torch.ops.llmserve.gemv(strided, weight),
+                       torch.ops.llmserve.gemv(strided.contiguous(), weight))
     for bad_x, bad_weight in [(torch.randn(9, 64), weight.float()),  # more rows than 8
                               (torch.randn(2, 60), torch.randn(40, 60)),  # K not a multiple of 16
                               (torch.randn(2, 64), weight.double())]:
