@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 import sys
+from dataclasses import dataclass
 
 from bench import offline
 from bench import prompts as P
 from bench.accuracy import LOGIT_PROMPTS, Probe, compare, probe
+from bench.metrics import median_summary
 from bench.machine import bf16_native
 from bench.progress import Phases
 from bench.settings import Settings
@@ -17,6 +19,9 @@ from services.worker.cpu_linear import GEMV_MAX_ROWS
 
 REFERENCE = "float32"
 REFERENCE_ARGS = {"dtype": "float32"}
+# The single-stream figures a measured mode is compared on with float32's from
+# the same alternating runs (measure_speed).
+PAIRED_KEYS = ("decode_tok_s", "itl_p50_s")
 
 
 def mode_list(native_bf16: bool) -> list[tuple[str, dict]]:
@@ -49,21 +54,40 @@ def measured_speed(results: dict, args: dict) -> dict | None:
     return None
 
 
-def measure_speed(llm: LLM, s: Settings, vocab: int) -> dict:
-    """Offline throughput and single stream on the main run's prompts."""
+def measure_speed(llm: LLM, reference_llm: LLM | None, s: Settings, vocab: int) -> dict:
+    """Offline throughput, and the single stream in runs alternating with the float32
+    reference's (when given) on the same prompts: the machine's speed swings by
+    10-20% between sections of a run, more than a mode changes a single stream."""
     offline.warm_up(llm, P.make_prompts(4, s.prompt_len, vocab, s.seed, P.WARMUP))
     row = offline.run_offline(
         llm, P.make_prompts(s.requests, s.prompt_len, vocab, s.seed, P.OFFLINE), s.output_len)
-    single = offline.run_single_stream(
-        llm, P.make_prompts(1, s.prompt_len, vocab, s.seed, P.SINGLE_STREAM)[0],
-        s.single_stream_len)
-    return speed_row(row, single, "measured")
+    runs: dict[str, list[dict]] = {"mode": [], "reference": []}
+    for prompt in P.make_prompts(s.single_stream_runs, s.prompt_len, vocab, s.seed,
+                                 P.SINGLE_STREAM):
+        for key, engine in (("mode", llm), ("reference", reference_llm)):
+            if engine is not None:
+                runs[key].append(offline.run_single_stream(engine, prompt, s.single_stream_len))
+    speed = speed_row(row, median_summary(runs["mode"]), "measured")
+    if runs["reference"]:
+        reference = median_summary(runs["reference"])
+        speed["paired_reference"] = {key: reference[key] for key in PAIRED_KEYS}
+    return speed
+
+
+@dataclass
+class Reference:
+    """The float32 run the modes are compared with: its probe, and its engine for the
+    single-stream runs a measured mode alternates with."""
+
+    probe: Probe
+    llm: LLM
 
 
 def run_one(s: Settings, model_dir: str, phases: Phases, results: dict, name: str,
-            args: dict, reference: Probe | None) -> tuple[dict, Probe]:
+            args: dict, reference: Reference | None) -> tuple[dict, Reference]:
     """Loads the mode, probes its accuracy (unless it is the reference), and measures
-    its speed unless the run already has it."""
+    its speed unless the run already has it. Returns the row and the mode as a
+    Reference (what the float32 run becomes)."""
     vocab = P.vocab_size(model_dir)
     # The offline set drawn longer has the offline prompts as its first rows.
     prompts = P.make_prompts(s.accuracy_prompts, s.prompt_len, vocab, s.seed, P.OFFLINE)
@@ -73,15 +97,15 @@ def run_one(s: Settings, model_dir: str, phases: Phases, results: dict, name: st
         got = probe(llm, prompts, s.accuracy_len)
         row: dict = {"args": args}
         if reference is not None:
-            row["accuracy"] = compare(reference, got)
+            row["accuracy"] = compare(reference.probe, got)
             phases.note = (f"{row['accuracy']['agreement']['identical']:.0%} identical, max "
                            f"|dlogit| {row['accuracy']['logits']['max_abs_diff']:.3g}")
     row["speed"] = measured_speed(results, args)
     if row["speed"] is None:
         with phases(f"modes: {name}: offline {s.requests} requests, single stream"):
-            row["speed"] = measure_speed(llm, s, vocab)
+            row["speed"] = measure_speed(llm, reference and reference.llm, s, vocab)
             phases.note = f"{row['speed']['output_tok_s']:.1f} output tok/s"
-    return row, got
+    return row, Reference(got, llm)
 
 
 def run_modes(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
@@ -93,9 +117,9 @@ def run_modes(s: Settings, model_dir: str, phases: Phases, results: dict) -> Non
     reference = None
     for name, args in [(REFERENCE, REFERENCE_ARGS), *mode_list(bf16_native())]:
         try:
-            runs[name], got = run_one(s, model_dir, phases, results, name, args, reference)
+            runs[name], mode = run_one(s, model_dir, phases, results, name, args, reference)
             if reference is None:
-                reference = got
+                reference = mode
         except Exception as e:  # one broken mode must not cost the others or the run
             runs[name] = {"args": args, "error": repr(e)}
             print(f"[bench] mode {name} failed: {e!r}", file=sys.stderr, flush=True)

@@ -125,11 +125,14 @@ def add_dtype_ratios(results: dict) -> None:
 
 
 def add_mode_ratios(results: dict) -> None:
-    """Each mode's speed ÷ the float32 reference's (the first run)."""
+    """Each mode's speed ÷ the float32 reference's (the first run), on the
+    single-stream figures ÷ those of the reference runs alternated with the mode's
+    when it has them (bench/modes.measure_speed)."""
     runs = list(((results.get("modes") or {}).get("runs") or {}).values())
     if not runs or not runs[0].get("speed"):
         return
     reference = runs[0]["speed"]
     for run in runs[1:]:
         if run.get("speed"):
-            run["speed"]["ratio_fp32"] = _ratios(run["speed"], reference, MODE_KEYS)
+            base = {**reference, **run["speed"].get("paired_reference", {})}
+            run["speed"]["ratio_fp32"] = _ratios(run["speed"], base, MODE_KEYS)

@@ -106,3 +106,9 @@ def test_modes_phase_at_tiny_size(model_dir, monkeypatch):
     assert kv["accuracy"]["logits"]["positions"] == 2 * 8  # every prompt position
     assert _finite(kv["accuracy"]["logits"]["max_abs_diff"])
     assert all(_finite(v) and v > 0 for v in kv["speed"]["ratio_fp32"].values())
+    # The kv mode's single stream ran alternating with float32's: its ratios are to
+    # those runs, not to the main run's (made-up) figures; its offline one is.
+    paired, ratio = kv["speed"]["paired_reference"], kv["speed"]["ratio_fp32"]
+    assert set(paired) == {"itl_p50_s", "decode_tok_s"} and paired["itl_p50_s"] != 0.1
+    assert ratio["itl_p50_s"] == pytest.approx(kv["speed"]["itl_p50_s"] / paired["itl_p50_s"])
+    assert ratio["output_tok_s"] == pytest.approx(kv["speed"]["output_tok_s"] / 10.0)
