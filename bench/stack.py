@@ -7,13 +7,12 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterator
 
-import grpc
-
 from llmserve.launcher import LocalStack
 from services.common import convert
 from services.common.config import CacheConfig, EngineConfig, ModelConfig
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.request_types import EngineStats
+from services.common.tls import TlsConfig, sync_channel
 
 
 @contextmanager
@@ -48,7 +47,11 @@ def frontend_address(stack: LocalStack) -> str:
 
 
 def engine_stats(stack: LocalStack, name: str = "engine-core") -> EngineStats:
-    address = next(s.address for s in stack.services if s.name == name)
-    with grpc.insecure_channel(address) as channel:
+    return engine_stats_at(next(s.address for s in stack.services if s.name == name))
+
+
+def engine_stats_at(address: str, tls: TlsConfig | None = None) -> EngineStats:
+    """GetStats of the engine core at `address` (over TLS when given)."""
+    with sync_channel(address, tls) as channel:
         return convert.engine_stats_from_proto(engine_core_pb2_grpc.EngineCoreStub(
             channel).GetStats(engine_core_pb2.GetStatsRequest(), timeout=10))

@@ -5,10 +5,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.stack import engine_stats_at
 from llmserve.launcher import LocalStack
 from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                                     SchedulerConfig)
-from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from tests.e2e.otlp_receiver import OtlpReceiver
 from tests.lora_adapters import ALL_PROJECTIONS, build_adapter
 
@@ -74,12 +74,6 @@ def health_status(address: str, service: str = "", timeout_s: float = 5.0) -> in
     with grpc.insecure_channel(address) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout_s).status
-
-
-def engine_stats_at(engine_address: str):
-    with grpc.insecure_channel(engine_address) as channel:
-        return engine_core_pb2_grpc.EngineCoreStub(channel).GetStats(
-            engine_core_pb2.GetStatsRequest(), timeout=10)
 
 
 def wait_all_blocks_free(stack, name: str = "engine-core", timeout_s: float = 10.0):

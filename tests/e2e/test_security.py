@@ -8,6 +8,7 @@ import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.stack import engine_stats_at
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
 from services.common.config import CacheConfig, EngineConfig, ModelConfig
@@ -90,16 +91,10 @@ def test_plaintext_is_refused(secure):
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _engine_stats(address: str, tls: TlsConfig):
-    with grpc.secure_channel(address, tls.channel_credentials()) as channel:
-        return engine_core_pb2_grpc.EngineCoreStub(channel).GetStats(
-            engine_core_pb2.GetStatsRequest(), timeout=10)
-
-
 def test_internal_services_require_a_client_certificate_from_their_ca(secure):
     stack, certs, stranger = secure
     address = engine_core(stack)
-    assert _engine_stats(address, TlsConfig(certs.cert, certs.key, certs.ca)).num_kv_blocks > 0
+    assert engine_stats_at(address, TlsConfig(certs.cert, certs.key, certs.ca)).num_kv_blocks > 0
     no_certificate = grpc.ssl_channel_credentials(open(certs.ca, "rb").read())
     with grpc.secure_channel(address, no_certificate) as channel:
         with pytest.raises(grpc.RpcError) as refused:
