@@ -30,6 +30,16 @@ GRAMMAR_CACHE_BYTES = 256 << 20
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
+def _error_text(error: Exception) -> str:
+    """What a person can act on in an xgrammar error: its message without the
+    source location. Some internal checks fail with no message at all."""
+    text = _SOURCE_PREFIX.sub("", str(error)).strip()
+    return text or (
+        "xgrammar failed an internal check compiling it and gave no reason (seen with a "
+        "JSON-schema pattern repeating a class thousands of times, such as [a-z]{1,5000}); "
+        "simplify the constraint")
+
+
 class GrammarCompiler:
     """Compiles StructuredOutputsParams with xgrammar's compiler and its cache.
     Thread-safe: the engine loop compiles on a thread of its own."""
@@ -57,8 +67,7 @@ class GrammarCompiler:
                 return compiler.compile_grammar(choice_grammar(params.choice))
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError) as e:  # how xgrammar reports parse errors
-            raise InvalidArgument(f"{FIELD}.{kind}", _SOURCE_PREFIX.sub("", str(e)).strip()) \
-                from None
+            raise InvalidArgument(f"{FIELD}.{kind}", _error_text(e)) from None
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         """Built on first use: it needs the model's tokenizer, which a model
