@@ -4,27 +4,19 @@ request's phases, received by a real OTLP endpoint; Prometheus metrics on every
 Prometheus itself."""
 import random
 import time
-import urllib.request
 
 import grpc
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.client import Client
 from tests.e2e.conftest import address, wait_all_blocks_free
+from tests.metrics_scrape import scrape
 
 pytestmark = pytest.mark.e2e
 
 SERVICES = {"frontend": "llmserve-frontend", "engine-core": "llmserve-engine-core",
             "worker": "llmserve-worker"}
-
-
-def scrape(address: str) -> dict[tuple, float]:
-    """(name, sorted labels) -> value, from one /metrics."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(samples: dict, name: str, **labels) -> float:

@@ -1,12 +1,9 @@
 """ServiceMetrics over a real registry and HTTP endpoint, and the engine core's
 scrape-time readings of EngineStats."""
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
-
 from services.common.metrics import ServiceMetrics, exponential_buckets
 from services.common.request_types import EngineInfo, EngineStats
 from services.engine_core.metrics import EngineCoreMetrics
+from tests.metrics_scrape import scrape
 
 
 def stats(**changes) -> EngineStats:
@@ -22,14 +19,6 @@ PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/ope
                      "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 
 
-def scrape(port: int, accept: str = "") -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
-                                     headers={"Accept": accept} if accept else {})
-    text = urllib.request.urlopen(request, timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def test_engine_core_metrics_read_stats_at_each_scrape():
     current = {"stats": stats()}
     service = ServiceMetrics("test-engine-core")
@@ -39,7 +28,7 @@ def test_engine_core_metrics_read_stats_at_each_scrape():
     port = service.serve("127.0.0.1", 0)
     try:
         m = (("model_name", "m"),)
-        first = scrape(port)
+        first = scrape(f"127.0.0.1:{port}")
         assert first[("llmserve:num_requests_running", m)] == 3
         assert first[("llmserve:num_requests_waiting", m)] == 2
         assert first[("llmserve:kv_cache_usage_perc", m)] == 0.25
@@ -52,11 +41,11 @@ def test_engine_core_metrics_read_stats_at_each_scrape():
         assert first[("llmserve:iteration_tokens_total_bucket", (("le", "100.0"),) + m)] == 1
         assert first[("llmserve:engine_step_duration_seconds_sum", m)] == 0.03
         current["stats"] = stats(num_running=0, num_waiting=0, num_used_kv_blocks=0)
-        idle = scrape(port)
+        idle = scrape(f"127.0.0.1:{port}")
         assert idle[("llmserve:num_requests_running", m)] == 0
         assert idle[("llmserve:kv_cache_usage_perc", m)] == 0
         assert ("process_cpu_seconds_total", ()) in idle
-        names = {name for name, _ in scrape(port, PROMETHEUS_ACCEPT)}
+        names = {name for name, _ in scrape(f"127.0.0.1:{port}", PROMETHEUS_ACCEPT)}
         assert "llmserve:num_requests_running" in names and not any(
             n.startswith("llmserve_") for n in names)
     finally:
