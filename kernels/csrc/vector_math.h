@@ -155,8 +155,8 @@ inline float* scratch(int slot, int64_t n) {
 }
 
 // Halving sum: four dependent adds, not sixteen (without -ffast-math the
-// compiler keeps a loop's order). The GEMV ends every output with one, and a
-// bf16 weight row of 576 streams in about the time the chain of sixteen took.
+// compiler keeps a loop's order). The GEMV ends every output with one: a
+// one-row pass over SmolLM2's bf16 weights took 2-3% less time with it.
 inline float sum16(vf16 v) {
   typedef float vf8 __attribute__((vector_size(32)));
   typedef float vf4 __attribute__((vector_size(16)));
