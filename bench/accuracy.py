@@ -13,7 +13,7 @@ import torch
 from bench.prompts import greedy
 from llmserve.llm import LLM
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from services.worker.cpu_linear import GEMV_MAX_ROWS
+from services.worker.cpu_matmul import GEMV_MAX_ROWS
 from services.worker.model_runner import ModelRunner
 
 # Prompts whose logits are compared: a few suffice for a maximum, and 4 rows keep

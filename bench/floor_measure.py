@@ -40,14 +40,15 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
     and, for a few rows, our GEMV kernel reading W as it is. Which is fastest
     depends on the CPU: MKL runs generic code on non-Intel ones."""
     from kernels.cpu_build import cpu_ops_available
-    from services.worker import cpu_linear
+    from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
+    from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 
     paths = {"F.linear": lambda w: lambda x: F.linear(x, w)}
     if torch.backends.mkldnn.is_available() and (
-            dtype == torch.float32 or cpu_linear.onednn_native(dtype)):
-        paths["oneDNN prepacked"] = cpu_linear.OneDNNWeights
-    if dtype == torch.float32 and cpu_linear.mkl_packing_available():
-        paths["MKL prepacked"] = cpu_linear.MKLPackedWeights
+            dtype == torch.float32 or onednn_native(dtype)):
+        paths["oneDNN prepacked"] = OneDNNWeights
+    if dtype == torch.float32 and mkl_packing_available():
+        paths["MKL prepacked"] = MKLPackedWeights
     if cpu_ops_available():
         paths[GEMV_PATH] = lambda w: lambda x: torch.ops.llmserve.gemv(x, w)
     return paths
@@ -77,7 +78,7 @@ def _one_pass(layers: list[Layer], inputs: dict[int, torch.Tensor],
 def time_pass(paths: dict[str, list[Layer]], dtype: torch.dtype, m: int) -> dict:
     """The best pass at m rows, over several passes through each path: its seconds,
     each shape's share, and its path (with every path's best seconds)."""
-    from services.worker.cpu_linear import GEMV_MAX_ROWS, gemv_takes
+    from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS, gemv_takes
 
     inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k, _ in paths["F.linear"]}}
     results = {path: _best_pass(layers, inputs) for path, layers in paths.items()

@@ -15,7 +15,7 @@ from bench.machine import bf16_native
 from bench.progress import Phases
 from bench.settings import Settings
 from llmserve.llm import LLM
-from services.worker.cpu_linear import GEMV_MAX_ROWS
+from services.worker.cpu_matmul import GEMV_MAX_ROWS
 
 REFERENCE = "float32"
 REFERENCE_ARGS = {"dtype": "float32"}

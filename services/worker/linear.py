@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.cpu_linear import matmul
+from services.worker.cpu_matmul.strategy import matmul
 from services.worker.lora.layer import LoRALayer
 from services.worker.parallel import SINGLE, TensorParallel
 
 
 class _Linear(nn.Linear):
-    """nn.Linear whose product goes through cpu_linear.matmul (prepacked or
-    16-bit weights on the CPU, F.linear otherwise), plus the LoRA deltas of the
+    """nn.Linear whose product goes through cpu_matmul's strategy for it (prepacked
+    or 16-bit weights on the CPU, F.linear otherwise), plus the LoRA deltas of the
     step's adapters when LoRA is on."""
 
     lora: "LoRALayer | None" = None  # set by the worker's LoRAManager
@@ -129,3 +129,8 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather(matmul(self, hidden), dim=-1)
+
+
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers whose products cpu_matmul.prepare_cpu_linears may speed up."""
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, ParallelLMHead))]

@@ -14,7 +14,8 @@ from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.attention import make_attention_backend
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.lora.manager import LoRAManager
-from services.worker.cpu_linear import prepare_cpu_linears
+from services.worker.cpu_matmul import prepare_cpu_linears
+from services.worker.linear import linear_layers
 from services.worker.model_loader import load_model, resolve_dtype, resolve_storage_dtypes
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import init_distributed
@@ -86,8 +87,8 @@ class Worker:
                 and not model_config.enforce_eager and not lora_config.enable_lora:
             graphs = DecodeGraphs(model, MAX_GRAPH_BATCH, model_config.max_model_len,
                                   cache_config.block_size, self.device, capture=True)
-        linears = (prepare_cpu_linears(model, dtype, weight_dtype) if self.device.type == "cpu"
-                   else "F.linear")
+        linears = (prepare_cpu_linears(linear_layers(model), dtype, weight_dtype)
+                   if self.device.type == "cpu" else "F.linear")
         lora = (LoRAManager(model, lora_config.max_loras, lora_config.max_lora_rank, tp,
                             dtype, self.device)
                 if lora_config.enable_lora else None)

@@ -1,16 +1,22 @@
-"""The CPU linear paths: the GEMV and AMX kernels against their definitions, and
-each layer set-up of cpu_linear against F.linear."""
+"""The CPU matmul strategies: the GEMV and AMX kernels against their
+definitions, and each layer set-up of cpu_matmul against F.linear."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
-from services.worker import cpu_linear
-from services.worker.cpu_linear import (AMX_MAX_ROWS, GEMV_MAX_ROWS, GEMV_OVER_ONEDNN_ROWS,
-                                        AMXWeights, GemvForFewRows, OneDNNWeights, fp32_path,
-                                        matmul, pack_amx_weight, prepare_cpu_linears)
-from services.worker.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from services.worker.cpu_matmul import choose, matmul
+from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, pack_amx_weight
+from services.worker.cpu_matmul.choose import fp32_path
+from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS, GEMV_OVER_ONEDNN_ROWS, GemvForFewRows
+from services.worker.cpu_matmul.onednn import OneDNNWeights
+from services.worker.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                    linear_layers)
+
+
+def prepare_cpu_linears(model, dtype, weight_dtype):
+    return choose.prepare_cpu_linears(linear_layers(model), dtype, weight_dtype)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -167,13 +173,13 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
 
 @pytest.mark.parametrize("intel", [True, False])
 def test_fp32_takes_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch, intel):
-    """MKL runs generic code on other vendors' CPUs (module docstring of cpu_linear)."""
-    monkeypatch.setattr(cpu_linear, "cpu_is_intel", lambda: intel)
+    """MKL runs generic code on other vendors' CPUs (bench/NOTES.md)."""
+    monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
     if intel:
         want = "MKL prepacked" if torch.backends.mkl.is_available() else "F.linear"
     else:
         want = "oneDNN prepacked" if torch.backends.mkldnn.is_available() else "F.linear"
-    assert cpu_linear.fp32_path() == want
+    assert choose.fp32_path() == want
     model = Tiny()
     x = torch.randn(64, 64)
     expected = model(x)

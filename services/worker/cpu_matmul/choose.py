@@ -1,0 +1,95 @@
+"""Which strategy each linear layer gets, chosen once per model from its dtype
+and this CPU (the measurements behind each rule: bench/NOTES.md):
+
+- bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above;
+- 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
+  single streams (one or two rows);
+- fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
+  of the weights for up to GEMV_MAX_ROWS rows, the fp32 path above;
+- fp32 on Intel CPUs: MKL prepacked; on other CPUs: oneDNN prepacked, our GEMV
+  for single streams (MKL runs generic code paths there);
+- otherwise F.linear.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from kernels.cpu_build import cpu_ops_available
+from services.worker.cpu_info import cpu_is_intel
+from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
+from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_ONEDNN_ROWS, GemvForFewRows,
+                                             with_gemv)
+from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
+from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
+from services.worker.cpu_matmul.strategy import FLinear, MatmulStrategy
+
+Make = Callable[[torch.Tensor], MatmulStrategy]
+
+
+def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
+                        weight_dtype: torch.dtype | None) -> str:
+    """Sets `cpu_weights` on every layer (those of linear.linear_layers) where a
+    faster CPU path exists; returns the name of the path chosen."""
+    make, path = _choose(dtype, weight_dtype)
+    if make is None:
+        return path
+    layers = list(layers)
+    for layer in layers:
+        layer.cpu_weights = make(layer.weight)
+    # The name says what was built: with_gemv decides per layer.
+    on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
+    if path == "oneDNN prepacked" and any(on_gemv):
+        path += f", our GEMV for <= {GEMV_OVER_ONEDNN_ROWS} rows"
+        if not all(on_gemv):
+            path += " where the input width is a multiple of 16"
+    return path
+
+
+def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make | None, str]:
+    if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
+        return _amx_or_onednn, f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
+    if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
+        return onednn_weights, "oneDNN prepacked"
+    if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
+        name = str(weight_dtype).removeprefix("torch.")
+        return (lambda weight: sixteen_bit_weights(weight, weight_dtype),
+                f"{name} weights for <= {GEMV_MAX_ROWS} rows")
+    if dtype == torch.float32 and fp32_path() != "F.linear":
+        return fp32_weights, fp32_path()
+    return None, "F.linear"
+
+
+def _amx_or_onednn(weight: torch.Tensor) -> MatmulStrategy:
+    return AMXWeights(weight) if fits_amx_blocks(weight) else OneDNNWeights(weight)
+
+
+def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
+    """oneDNN-prepacked W, read by our GEMV at up to GEMV_OVER_ONEDNN_ROWS rows."""
+    return with_gemv(weight, GEMV_OVER_ONEDNN_ROWS, OneDNNWeights(weight))
+
+
+def sixteen_bit_weights(weight: torch.Tensor, weight_dtype: torch.dtype) -> MatmulStrategy:
+    """x W^T for fp32 activations, reading a 16-bit copy of W for few rows."""
+    return with_gemv(weight.to(weight_dtype), GEMV_MAX_ROWS, fp32_weights(weight))
+
+
+def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
+    """The fastest x W^T for an fp32 weight on this CPU."""
+    path = fp32_path()
+    if path == "MKL prepacked":
+        return MKLPackedWeights(weight)
+    if path == "oneDNN prepacked":
+        return onednn_weights(weight)
+    return FLinear(weight)
+
+
+def fp32_path() -> str:
+    """Which of fp32_weights' paths this CPU takes."""
+    if cpu_is_intel() and mkl_packing_available():
+        return "MKL prepacked"
+    if not cpu_is_intel() and torch.backends.mkldnn.is_available():
+        return "oneDNN prepacked"
+    return "F.linear"

@@ -1,0 +1,42 @@
+"""Our GEMV kernel (kernels/csrc/gemv.cpp) for steps of a few rows, which are
+bound by reading the weights: it reads them front to back once, in fp32, bf16
+or fp16, with fp32 sums. Another strategy serves the larger steps."""
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_build import cpu_ops_available
+from services.worker.cpu_matmul.strategy import MatmulStrategy
+
+# Up to this many rows, a step reads weights faster than it multiplies them.
+GEMV_MAX_ROWS = 8
+# Up to this many rows our GEMV beats oneDNN's prepacked weights (bench/NOTES.md).
+GEMV_OVER_ONEDNN_ROWS = 2
+
+
+class GemvForFewRows:
+    """x W^T through our GEMV kernel on `gemv_weight` for up to `max_rows` rows,
+    `many` above."""
+
+    def __init__(self, gemv_weight: torch.Tensor, max_rows: int, many: MatmulStrategy):
+        self.gemv_weight = gemv_weight.detach()
+        self.max_rows = max_rows
+        self.many = many
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            return torch.ops.llmserve.gemv(x, self.gemv_weight)
+        return self.many(x)
+
+
+def gemv_takes(k: int) -> bool:
+    """Whether our GEMV kernel is built here and takes inputs k wide (whole vectors
+    of 16; it takes up to GEMV_MAX_ROWS rows)."""
+    return cpu_ops_available() and k % 16 == 0
+
+
+def with_gemv(gemv_weight: torch.Tensor, max_rows: int, many: MatmulStrategy) -> MatmulStrategy:
+    """`many` with our GEMV for up to max_rows rows, where the kernel takes the shape."""
+    if gemv_takes(gemv_weight.shape[1]):
+        return GemvForFewRows(gemv_weight, max_rows, many)
+    return many
