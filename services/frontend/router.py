@@ -97,7 +97,9 @@ class EngineRouter(EngineClient):
                     raise
                 self._mark_down(replica, e)
                 if not any(r.healthy for r in self.replicas):
-                    raise
+                    raise Unavailable(
+                        f"no engine core is reachable (the one at {replica.client.address} "
+                        f"failed: {e}); retry later") from None
                 logger.warning("request %s: engine core %s failed after %d tokens; resuming "
                                "on another", request.request_id, replica.client.address,
                                len(streamed))
