@@ -20,8 +20,8 @@ ROUNDS = 3  # alternating off/on rounds: the machine drifts by 10-20% between ru
 
 def run_observability(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     from bench import serving
+    from bench.otlp_receiver import OtlpReceiver
     from bench.stack import frontend_address, serving_stack
-    from tests.e2e.otlp_receiver import OtlpReceiver
 
     concurrency = max(s.concurrency)
     prompts = P.make_prompts(s.level_requests(concurrency), s.prompt_len, P.vocab_size(model_dir),

@@ -1,4 +1,5 @@
-"""Writing the new tokens' K and V into the paged KV cache: a Triton kernel and its torch reference.
+"""Writing the new tokens' K and V into the paged KV cache: a Triton kernel (its
+torch reference is tests/references/paged_kv_store.py).
 
 The cache is [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V); token t goes to
 flat slot slot_mapping[t] = block_id * block_size + offset, and a slot of -1 skips the token
@@ -66,18 +67,6 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         kv_cache.shape[2],
         HEAD_DIM=head_dim, ROW=row, BLOCK=block,
     )
-
-
-def store_kv_cache_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                             slot_mapping: torch.Tensor) -> None:
-    """The same as store_kv_cache, in plain torch."""
-    _check_args(k, v, kv_cache, slot_mapping)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    block_size = kv_cache.shape[2]
-    block_ids, offsets = slots // block_size, slots % block_size
-    kv_cache[0, block_ids, offsets] = k[keep]
-    kv_cache[1, block_ids, offsets] = v[keep]
 
 
 def _check_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

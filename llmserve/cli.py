@@ -11,8 +11,10 @@ import grpc
 
 
 def _serve(argv: list[str]) -> int:
-    from services.common.config import add_engine_args, engine_config_from_args
+    from services.common.config_cli import (add_engine_args, engine_config_from_args,
+                                            parse_args_refusing_vllm_flags)
     from services.common.auth import add_api_key_arg
+    from services.common.ports import add_optional_port_arg, add_port_arg
     from services.common.server import add_drain_arg
     from services.common.tls import add_tls_args, tls_from_args
     from llmserve.launcher import LocalStack
@@ -20,24 +22,23 @@ def _serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmserve serve",
                                      description="Start the frontend, engine core and worker.")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051)
+    add_port_arg(parser, "--port", 50051, "the public Inference gRPC API's port")
     parser.add_argument("--engine-replicas", type=int, default=1,
                         help="engine cores (each with its own worker) behind the frontend")
-    parser.add_argument("--http-port", type=int, default=8000,
-                        help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="Prometheus metrics: the frontend on this port, engine core i on "
-                             "+1+i, then the workers (0: none)")
+    add_optional_port_arg(parser, "--http-port", 8000, "the OpenAI-compatible HTTP API's port")
+    add_optional_port_arg(parser, "--metrics-port", None,
+                          "Prometheus metrics: the frontend on this port, engine core i on "
+                          "+1+i, then the workers (0: a free port each)")
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                         help="LoRA adapters to serve from the start (with --enable-lora)")
     add_drain_arg(parser)
     add_tls_args(parser)
     add_api_key_arg(parser)
     add_engine_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_args_refusing_vllm_flags(parser, argv)
     stack = LocalStack(engine_config_from_args(args), host=args.host, port=args.port,
-                       engine_replicas=args.engine_replicas, http_port=args.http_port or None,
-                       metrics_port=args.metrics_port or None,
+                       engine_replicas=args.engine_replicas, http_port=args.http_port,
+                       metrics_port=args.metrics_port,
                        drain_timeout_s=args.drain_timeout, restart_dead=True,
                        tls=tls_from_args(args), api_key=args.api_key,
                        lora_modules=args.lora_modules)

@@ -1,53 +1,61 @@
 """EngineArgs: the offline API's engine settings (vLLM's EngineArgs, with the
-options llmserve has), turned into the per-layer config dataclasses."""
+arguments llmserve has), one field per setting declared in
+services/common/config.py, under the name users give it there.
+
+`EngineArgs(**kwargs)` and `LLM(model, **kwargs)` take vLLM's names with vLLM's
+meanings; a vLLM argument llmserve does not have is refused by name (ValueError),
+and a name neither knows is a TypeError, as for any Python call.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
-from services.common.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, LoRAConfig,
-                                    ModelConfig, SchedulerConfig)
+from services.common.config import EngineConfig
+from services.common.setting import OFFLINE, build_config, close_matches, declared_settings
+from services.common.vllm_names import unsupported_vllm_argument
+
+_SETTINGS = [s for s in declared_settings(EngineConfig) if OFFLINE in s.meta.scopes]
 
 
-@dataclass
-class EngineArgs:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    # Opt-in speed modes (see ModelConfig.weight_dtype, CacheConfig.kv_cache_dtype).
-    weight_dtype: str = ""
-    kv_cache_dtype: str = ""
-    max_model_len: int = 2048
-    seed: int = 0
-    # CPU: memory for the KV cache (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE).
-    kv_cache_gib: float = 1.0
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # Offline, throughput is what counts: no cap on a step while requests decode
-    # (the server caps it to bound inter-token latency; see SchedulerConfig).
-    max_step_tokens_while_decoding: int = 0
-    # "fcfs", or "priority" (lower values first).
-    scheduling_policy: str = "fcfs"
-    max_waiting_requests: int = 1024
-    # LoRA adapters (see LoRAConfig).
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
+def _docstring() -> str:
+    lines = [f"    {s.arg} ({s.user_type.__name__}, default {s.user_default(OFFLINE)!r}): "
+             f"{s.meta.help}" for s in _SETTINGS]
+    return "vLLM-style engine arguments; create_engine_config() builds the config.\n\n" \
+        + "\n".join(lines)
 
-    def create_engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=ModelConfig(model=self.model, dtype=self.dtype,
-                              max_model_len=self.max_model_len, seed=self.seed,
-                              weight_dtype=self.weight_dtype),
-            cache=CacheConfig(block_size=self.block_size,
-                              kv_cache_bytes=int(self.kv_cache_gib * (1 << 30)),
-                              enable_prefix_caching=self.enable_prefix_caching,
-                              kv_cache_dtype=self.kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_step_tokens_while_decoding=(
-                                          self.max_step_tokens_while_decoding),
-                                      policy=self.scheduling_policy,
-                                      max_waiting_requests=self.max_waiting_requests),
-            lora=LoRAConfig(enable_lora=self.enable_lora, max_loras=self.max_loras,
-                            max_lora_rank=self.max_lora_rank))
+
+def _create_engine_config(self) -> EngineConfig:
+    return build_config(EngineConfig, dataclasses.asdict(self))
+
+
+def _validate(self) -> None:
+    """Every value checked now, so that a bad one fails where it was given."""
+    self.create_engine_config()
+
+
+_EngineArgsFields = dataclasses.make_dataclass(
+    "EngineArgs",
+    [(s.arg, s.user_type, dataclasses.field(default=s.user_default(OFFLINE))) for s in _SETTINGS],
+    namespace={"create_engine_config": _create_engine_config, "__post_init__": _validate,
+               "__doc__": _docstring()})
+
+
+class EngineArgs(_EngineArgsFields):
+    __doc__ = _EngineArgsFields.__doc__
+
+    def __init__(self, *args, **kwargs):
+        check_engine_arg_names(kwargs)
+        super().__init__(*args, **kwargs)
+
+
+def check_engine_arg_names(kwargs: dict) -> None:
+    """ValueError for a vLLM argument llmserve lacks, TypeError for any other
+    unknown name."""
+    known = {s.arg for s in _SETTINGS}
+    for name in kwargs:
+        if name in known:
+            continue
+        message = unsupported_vllm_argument(name)
+        if message:
+            raise ValueError(message)
+        raise TypeError(f"EngineArgs has no argument {name!r}{close_matches(name, known)}")

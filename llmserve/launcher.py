@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.auth import API_KEY_ENV
-from services.common.config import EngineConfig, engine_args_to_argv
+from services.common.config import EngineConfig
+from services.common.config_cli import engine_args_to_argv
 from services.common.launcher_link import LAUNCHER_PID_ENV
+from services.common.ports import port_to_argv
 from services.common.tls import TlsConfig, tls_to_argv
 from services.worker.cpu_cores import format_cores, split_cores
 
@@ -127,11 +129,11 @@ class LocalStack:
             *tls_to_argv(self.tls), *engine_args_to_argv(self.config)], 0, deadline)
 
     def _http_flags(self) -> list[str]:
-        if self.http_port is None:
-            return ["--http-port", "0"]
-        port = self.http_port or free_port(self.host)
-        self.http_address = f"{self.host}:{port}"
-        return ["--http-port", str(port)]
+        """A free port is picked here, so that http_address is known at once."""
+        port = None if self.http_port is None else self.http_port or free_port(self.host)
+        if port is not None:
+            self.http_address = f"{self.host}:{port}"
+        return port_to_argv("--http-port", port)
 
     def _metrics_flags(self, service: str, offset: int, host: str = "127.0.0.1") -> list[str]:
         """--metrics-port for a service, the offset-th in the documented order."""

@@ -20,7 +20,8 @@ Conversation = list[dict[str, str]]
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         """LLM(model, dtype=..., max_model_len=..., kv_cache_gib=..., ...): the
-        keyword arguments are EngineArgs' fields."""
+        keyword arguments are EngineArgs' fields, vLLM's names among them; a vLLM
+        argument llmserve does not have is refused by name (ValueError)."""
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._request_counter = itertools.count()
 

@@ -1,7 +1,7 @@
 // Paged KV cache on the CPU: writing new tokens' K/V, and attention over it for
 // decodes (one query token per sequence) and prefills (many, causal).
 //
-// Layout, per layer (see kernels/cpu_paged_attention.py):
+// Layout, per layer (see kernels/paged_attention.py):
 //   key_cache   [num_blocks, kv_heads, head_dim, block_size]  (K transposed per block)
 //   value_cache [num_blocks, kv_heads, block_size, head_dim]
 // With K transposed, the scores of a whole block against one query head are
@@ -362,7 +362,7 @@ struct Prefill {
 };
 
 // The block sizes and head dims the kernels are specialized for (registers and
-// loop bounds fixed at compile time); kernels/cpu_paged_attention.py lists them.
+// loop bounds fixed at compile time); kernels/paged_attention.py lists them.
 template <template <typename, typename, int, int> class Kernel, typename q_t, typename c_t,
           int BS, typename... Args>
 void dispatch_head_dim(int64_t head_dim, Args&... args) {

@@ -1,26 +1,24 @@
-"""Proto <-> dataclass conversion: the only place it happens."""
+"""Proto <-> dataclass conversion of what the services share: the only place it
+happens (the frontend assembles its own responses: services/frontend/responses.py)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import typing
 
 import numpy as np
 
-from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
+from services.common.config import EngineConfig
 from services.common.errors import (InvalidArgument, LLMServeError, error_with_status,
                                     status_from_number, status_number)
 from services.common.lora import LoRARequest
-from services.common.pb import common_pb2, engine_core_pb2, inference_pb2, worker_pb2
+from services.common.pb import common_pb2, config_pb2, engine_core_pb2, worker_pb2
 from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats, FinishReason, LoadedModel, Logprobs)
 from services.common.sampling_params import OutputKind, SamplingParams
-from services.common.structured_outputs import StructuredOutputsParams
-
-if TYPE_CHECKING:  # the frontend's types; convert is imported by every service
-    from services.frontend.choice import ChoiceOutput
-    from services.frontend.output_processor import GenerationOutput
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
+from services.common.structured_outputs import StructuredOutputsParams
 
 # ---- sampling params -------------------------------------------------------------
 
@@ -104,39 +102,6 @@ def logprobs_to_proto(lp: Logprobs) -> common_pb2.Logprobs:
 def logprobs_from_proto(pb: common_pb2.Logprobs) -> Logprobs:
     return Logprobs(token_id=pb.token_id, logprob=pb.logprob, rank=pb.rank,
                     top_token_ids=list(pb.top_token_ids), top_logprobs=list(pb.top_logprobs))
-
-
-# ---- public API ------------------------------------------------------------------
-
-def generate_responses(output: "GenerationOutput") -> list[inference_pb2.GenerateResponse]:
-    """One GenerateResponse per choice the output reports; prompt logprobs ride on
-    the first of them."""
-    responses = []
-    for choice in output.outputs:
-        response = inference_pb2.GenerateResponse(
-            request_id=output.request_id, index=choice.index, text=choice.text,
-            token_ids=choice.token_ids,
-            logprobs=[logprobs_to_proto(lp) for lp in choice.logprobs or []])
-        if choice.finished:
-            _set_final_fields(response, choice, len(output.prompt_token_ids))
-        responses.append(response)
-    if responses and output.prompt_logprobs:
-        responses[0].prompt_logprobs.extend(logprobs_to_proto(lp) for lp in output.prompt_logprobs)
-    return responses
-
-
-def _set_final_fields(response: inference_pb2.GenerateResponse, choice: "ChoiceOutput",
-                      num_prompt_tokens: int) -> None:
-    response.finish_reason = int(choice.finish_reason)
-    if isinstance(choice.stop_reason, str):
-        response.stop_string = choice.stop_reason
-    elif choice.stop_reason is not None:
-        response.stop_token_id = choice.stop_reason
-    response.usage.CopyFrom(inference_pb2.Usage(
-        prompt_tokens=num_prompt_tokens, completion_tokens=choice.num_generated_tokens,
-        cached_prompt_tokens=choice.num_cached_tokens))
-    response.timings.CopyFrom(inference_pb2.Timings(
-        time_to_first_token_s=choice.time_to_first_token_s, total_s=choice.total_s))
 
 
 # ---- engine core -------------------------------------------------------------------
@@ -224,31 +189,18 @@ def engine_info_from_proto(pb: engine_core_pb2.EngineInfo) -> EngineInfo:
 
 # ---- worker ------------------------------------------------------------------------
 
-def load_model_request_to_proto(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,
-                                lora: LoRAConfig) -> worker_pb2.LoadModelRequest:
-    return worker_pb2.LoadModelRequest(
-        model_path=model.model, dtype=model.dtype, max_model_len=model.max_model_len,
-        block_size=cache.block_size, kv_cache_bytes=cache.kv_cache_bytes, seed=model.seed,
-        attention_backend=model.attention_backend, enforce_eager=model.enforce_eager,
-        weight_dtype=model.weight_dtype, kv_cache_dtype=cache.kv_cache_dtype,
-        gpu_memory_utilization=cache.gpu_memory_utilization,
-        tensor_parallel_size=parallel.tensor_parallel_size,
-        distributed_init_method=parallel.distributed_init_method,
-        max_loras=lora.num_slots, max_lora_rank=lora.max_lora_rank)
+def engine_config_to_proto(config: EngineConfig) -> config_pb2.EngineConfig:
+    """Each section into the message of the same name, field by field."""
+    return config_pb2.EngineConfig(**{
+        section.name: getattr(config_pb2, type(value).__name__)(**dataclasses.asdict(value))
+        for section in dataclasses.fields(config) for value in [getattr(config, section.name)]})
 
 
-def load_model_request_from_proto(pb: worker_pb2.LoadModelRequest
-                                  ) -> tuple[ModelConfig, CacheConfig, ParallelConfig, LoRAConfig]:
-    return (ModelConfig(model=pb.model_path, dtype=pb.dtype, max_model_len=pb.max_model_len,
-                        seed=pb.seed, attention_backend=pb.attention_backend,
-                        enforce_eager=pb.enforce_eager, weight_dtype=pb.weight_dtype),
-            CacheConfig(block_size=pb.block_size, kv_cache_bytes=pb.kv_cache_bytes,
-                        gpu_memory_utilization=pb.gpu_memory_utilization,
-                        kv_cache_dtype=pb.kv_cache_dtype),
-            ParallelConfig(tensor_parallel_size=pb.tensor_parallel_size,
-                           distributed_init_method=pb.distributed_init_method),
-            LoRAConfig(enable_lora=pb.max_loras > 0, max_loras=max(pb.max_loras, 1),
-                       max_lora_rank=pb.max_lora_rank))
+def engine_config_from_proto(pb: config_pb2.EngineConfig) -> EngineConfig:
+    sections = typing.get_type_hints(EngineConfig)
+    return EngineConfig(**{
+        name: cls(**{f.name: getattr(getattr(pb, name), f.name) for f in dataclasses.fields(cls)})
+        for name, cls in sections.items()})
 
 
 def loaded_model_to_proto(m: LoadedModel) -> worker_pb2.LoadModelResponse:
@@ -261,6 +213,7 @@ def loaded_model_from_proto(pb: worker_pb2.LoadModelResponse) -> LoadedModel:
 
 def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput:
     return worker_pb2.SchedulerOutput(
+        step_id=so.step_id,
         new_requests=[worker_pb2.NewRequestData(
             request_id=r.request_id, token_ids=r.token_ids,
             sampling_params=sampling_params_to_proto(r.sampling_params),
@@ -277,6 +230,7 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
 
 def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutput:
     return SchedulerOutput(
+        step_id=pb.step_id,
         new_requests=[NewRequestData(
             request_id=r.request_id, token_ids=list(r.token_ids),
             sampling_params=sampling_params_from_proto(r.sampling_params),

@@ -20,15 +20,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from services.common import tracing
+from services.common.ports import add_optional_port_arg
 
 logger = logging.getLogger(__name__)
 _otlp_providers: list = []  # flushed at exit by shutdown_otlp_metrics()
 
 
 def add_metrics_port_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="serve Prometheus metrics at http://<host>:<port>/metrics "
-                             "(0: do not)")
+    add_optional_port_arg(parser, "--metrics-port", None,
+                          "serve Prometheus metrics at http://<host>:<port>/metrics")
 
 
 @dataclass

@@ -50,8 +50,8 @@ class CachedRequestData:
 
 @dataclass
 class SchedulerOutput:
-    # The scheduler's count of steps. Engine core only: the workers run steps in
-    # the order they are sent (GrpcExecutor numbers its calls for that).
+    # The scheduler's count of the steps it sent, from 1; workers run steps in
+    # this order, whatever order the calls arrive in (async scheduling).
     step_id: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)

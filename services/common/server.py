@@ -18,6 +18,7 @@ from services.common.auth import ApiKeyInterceptor
 from services.common.errors import ErrorMappingInterceptor
 from services.common.grpc_options import SERVER_OPTIONS
 from services.common.launcher_link import die_with_launcher
+from services.common.ports import add_optional_port_arg
 from services.common.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,9 @@ def add_drain_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_health_port_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--health-port", type=int, default=0,
-                        help="also serve grpc.health.v1, alone and without TLS, on this port: "
-                             "for Kubernetes' gRPC probes, which cannot speak TLS (0: none)")
+    add_optional_port_arg(parser, "--health-port", None,
+                          "also serve grpc.health.v1, alone and without TLS, on this port: "
+                          "for Kubernetes' gRPC probes, which cannot speak TLS")
 
 
 class Drainable(Protocol):
@@ -82,9 +83,9 @@ class ServiceServer:
             [service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
 
     async def start(self, host: str, port: int, port_file: str | None = None,
-                    health_port: int = 0) -> str:
+                    health_port: int | None = None) -> str:
         """Binds (port 0 picks a free one) and starts; returns host:port. health_port,
-        when set, serves the health service alone there, in plaintext."""
+        when not None, serves the health service alone there, in plaintext."""
         if self.tls.enabled:
             bound = self.server.add_secure_port(
                 f"{host}:{port}", self.tls.server_credentials(self.require_client_cert))
@@ -93,7 +94,7 @@ class ServiceServer:
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         await self.server.start()
-        if health_port:
+        if health_port is not None:
             await self._start_health_server(host, health_port)
         address = f"{host}:{bound}"
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -112,9 +113,11 @@ class ServiceServer:
     async def _start_health_server(self, host: str, port: int) -> None:
         self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        if self.health_server.add_insecure_port(f"{host}:{port}") == 0:
+        bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
             raise OSError(f"cannot listen on {host}:{port} (--health-port)")
         await self.health_server.start()
+        logger.info("health (plaintext) on %s:%d", host, bound)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Graceful: health turns NOT_SERVING; a drainable core refuses new work and

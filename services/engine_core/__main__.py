@@ -7,10 +7,12 @@ import dataclasses
 import logging
 import socket
 
-from services.common.config import add_engine_args, engine_config_from_args
+from services.common.config_cli import (add_engine_args, engine_config_from_args,
+                                        parse_args_refusing_vllm_flags)
 from services.common.metrics import ServiceMetrics, add_metrics_port_arg
 from services.common.model_store import resolve_model, served_model_name
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.common.ports import add_port_arg
 from services.common.server import (ServiceServer, add_drain_arg, add_health_port_arg,
                                     run_service)
 from services.common.tls import add_tls_args, tls_from_args
@@ -36,27 +38,24 @@ def default_init_method(rank0_address: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmserve engine-core", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    add_port_arg(parser, "--port", 50052, "the EngineCore gRPC API's port")
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--worker-addresses", required=True,
                         help="comma-separated host:port of the workers, rank 0 first")
-    parser.add_argument("--distributed-init-method", default="",
-                        help="where the workers' torch.distributed group meets "
-                             "(default: tcp://<rank 0 host>:<free port>)")
     add_metrics_port_arg(parser)
     add_drain_arg(parser)
     add_health_port_arg(parser)
     add_tls_args(parser)
     add_engine_args(parser)
-    return parser.parse_args(argv)
+    return parse_args_refusing_vllm_flags(parser, argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     config.model = dataclasses.replace(config.model, model=resolve_model(config.model.model))
     worker_addresses = args.worker_addresses.split(",")
-    config.parallel.distributed_init_method = (args.distributed_init_method
-                                               or default_init_method(worker_addresses[0]))
+    if not config.parallel.distributed_init_method:
+        config.parallel.distributed_init_method = default_init_method(worker_addresses[0])
     tls = tls_from_args(args)
     executor = GrpcExecutor(worker_addresses, tls)
     await asyncio.to_thread(executor.wait_ready, 120.0)
@@ -74,8 +73,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def _metrics(args: argparse.Namespace, core: EngineCore) -> EngineCoreMetrics | None:
-    """The engine core's metrics, served on --metrics-port; None when it is 0."""
-    if not args.metrics_port:
+    """The engine core's metrics, served on --metrics-port; None when it is off."""
+    if args.metrics_port is None:
         return None
     service = ServiceMetrics("llmserve-engine-core")
     metrics = EngineCoreMetrics(service, served_model_name(core.config.model.model), core.info,

@@ -17,7 +17,8 @@ from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, 
                                            EngineStats)
 from services.common.scheduler_output import SchedulerOutput
 from services.engine_core.executor import Executor, PendingStep
-from services.engine_core.grammar import GrammarCompiler, RequestGrammar
+from services.engine_core.grammar import RequestGrammar
+from services.engine_core.grammar_compiler import GrammarCompiler
 from services.engine_core.lora_registry import LoRARegistry
 from services.engine_core.request import Request
 from services.engine_core.scheduler import Scheduler
@@ -43,17 +44,18 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor):
         self.config = config
         self.executor = executor
-        loaded = executor.load_model(config.model, config.cache, config.parallel, config.lora)
+        loaded = executor.load_model(config)
         num_blocks = executor.determine_num_kv_blocks()
-        executor.init_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
                                    num_blocks, config.lora.num_slots)
+        executor.init_kv_cache(num_blocks, self.scheduler.next_step_id)
         self.loras = LoRARegistry(config.lora, executor)
         self.info = EngineInfo(model_path=config.model.model,
                                max_model_len=config.model.max_model_len,
                                block_size=config.cache.block_size, num_kv_blocks=num_blocks,
                                dtype=loaded.dtype, vocab_size=loaded.vocab_size)
-        self.grammar_compiler = GrammarCompiler(config.model.model, loaded.vocab_size)
+        self.grammar_compiler = GrammarCompiler(config.model.model, loaded.vocab_size,
+                                                config.structured_outputs.compile_timeout_s)
         self.num_scheduled_tokens_last_step = 0
         # Sent to the workers, output not back yet: at most one between step()
         # calls, and only with async scheduling.
@@ -182,9 +184,8 @@ class EngineCore:
         self._in_flight.clear()
         self.scheduler.requeue_all()
         self.executor.reconnect()
-        self.executor.load_model(self.config.model, self.config.cache, self.config.parallel,
-                                 self.config.lora)
-        self.executor.init_kv_cache(self.info.num_kv_blocks)
+        self.executor.load_model(self.config)
+        self.executor.init_kv_cache(self.info.num_kv_blocks, self.scheduler.next_step_id)
         self.loras.reload_all()
         logger.info("workers recovered: %d requests resume by recomputation",
                     len(self.scheduler.waiting))
@@ -208,4 +209,5 @@ class EngineCore:
             num_scheduled_tokens_last_step=self.num_scheduled_tokens_last_step)
 
     def shutdown(self) -> None:
+        self.grammar_compiler.close()
         self.executor.shutdown()

@@ -23,6 +23,7 @@ from services.common.futures import run_into_future
 from services.common.lora import LoRARequest
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
 from services.engine_core.engine_core import EngineCore
+from services.engine_core.grammar_compiler import MAX_CHILDREN
 from services.engine_core.metrics import EngineCoreMetrics
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,9 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, OutputSink] = {}  # by request id; loop thread only
         self._stopped = False
-        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="grammar-compiler")
+        # A thread per compile in flight, each waiting on a compiler's child process.
+        self._grammar_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=MAX_CHILDREN, thread_name_prefix="grammar-compile")
         self.draining = False  # shutting down: new requests are refused
         self._thread = threading.Thread(target=self._run, name="engine-core-loop", daemon=True)
         self._thread.start()
@@ -94,13 +96,20 @@ class EngineLoop:
                 self.abort_soon([request.request_id])
 
     async def _compile_grammar(self, request: EngineCoreRequest):
-        """A structured-outputs request's grammar, compiled on a thread of its own
-        so that a slow compile never holds up the other requests' steps."""
+        """A structured-outputs request's grammar, compiled off the loop thread (in
+        a child process, within the time limit), so that a slow compile holds up
+        neither the other requests' steps nor their compiles. A caller that
+        leaves stops its compile."""
         constraint = request.sampling_params.structured_outputs
         if constraint is None:
             return None
-        return await asyncio.get_running_loop().run_in_executor(
-            self._grammar_pool, self.core.grammar_compiler.compile, constraint)
+        cancelled = threading.Event()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._grammar_threads, self.core.grammar_compiler.compile, constraint, cancelled)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
     async def add_lora(self, lora: LoRARequest) -> None:
         await self._call(lambda: self.core.add_lora(lora))
@@ -135,7 +144,7 @@ class EngineLoop:
         self._stopped = True  # also ends a wait for workers to recover
         self._inbox.put(self._stop)
         self._thread.join(timeout=30)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
         self.core.shutdown()
 
     async def _call(self, fn: Callable[[], object]) -> object:

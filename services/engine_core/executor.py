@@ -8,7 +8,7 @@ from typing import Callable
 import grpc
 
 from services.common import convert
-from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
+from services.common.config import EngineConfig
 from services.common.errors import from_rpc_error
 from services.common.futures import run_into_future
 from services.common.pb import worker_pb2, worker_pb2_grpc
@@ -36,8 +36,7 @@ class Executor(abc.ABC):
     overlaps_steps = False
 
     @abc.abstractmethod
-    def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
-                   parallel_config: ParallelConfig, lora_config: LoRAConfig) -> LoadedModel: ...
+    def load_model(self, config: EngineConfig) -> LoadedModel: ...
 
     @abc.abstractmethod
     def add_lora(self, lora_id: int, lora_path: str) -> None:
@@ -51,7 +50,9 @@ class Executor(abc.ABC):
         """The number of KV blocks every worker can hold."""
 
     @abc.abstractmethod
-    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def init_kv_cache(self, num_blocks: int, next_step_id: int) -> None:
+        """Allocates the KV cache; the next step sent will be SchedulerOutput.step_id
+        next_step_id."""
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -78,12 +79,11 @@ class InprocExecutor(Executor):
     def __init__(self, workers):
         self.workers = workers
 
-    def load_model(self, model_config, cache_config, parallel_config, lora_config):
-        if parallel_config.tensor_parallel_size != 1 or len(self.workers) != 1:
+    def load_model(self, config):
+        if config.parallel.tensor_parallel_size != 1 or len(self.workers) != 1:
             raise ValueError("in-process execution runs one worker; tensor parallelism needs "
                              "worker processes (llmserve serve --tensor-parallel-size N)")
-        return self.workers[0].load_model(model_config, cache_config, parallel_config,
-                                          lora_config)
+        return self.workers[0].load_model(config)
 
     def add_lora(self, lora_id, lora_path):
         for w in self.workers:
@@ -96,7 +96,7 @@ class InprocExecutor(Executor):
     def determine_num_kv_blocks(self):
         return min(w.determine_num_kv_blocks() for w in self.workers)
 
-    def init_kv_cache(self, num_blocks):
+    def init_kv_cache(self, num_blocks, next_step_id):
         for w in self.workers:
             w.init_kv_cache(num_blocks)
 
@@ -115,7 +115,6 @@ class GrpcExecutor(Executor):
         self.channels = [sync_channel(a, tls) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.rpc_timeout_s = rpc_timeout_s
-        self._next_step_sequence = 0  # SchedulerOutput.sequence of the next step
         self._last_step_sent: list[grpc.Future] = []
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -146,13 +145,13 @@ class GrpcExecutor(Executor):
             raise next((e for e in errors if e.code() == grpc.StatusCode.UNAVAILABLE), errors[0])
         return responses
 
-    def load_model(self, model_config, cache_config, parallel_config, lora_config):
-        if parallel_config.tensor_parallel_size != len(self.stubs):
-            raise ValueError(f"tensor_parallel_size is {parallel_config.tensor_parallel_size} "
+    def load_model(self, config):
+        if config.parallel.tensor_parallel_size != len(self.stubs):
+            raise ValueError(f"tensor_parallel_size is {config.parallel.tensor_parallel_size} "
                              f"but {len(self.stubs)} worker addresses were given")
         # Every rank joins the process group inside LoadModel: the calls run concurrently.
-        responses = self._call_all("LoadModel", convert.load_model_request_to_proto(
-            model_config, cache_config, parallel_config, lora_config))
+        responses = self._call_all("LoadModel", worker_pb2.LoadModelRequest(
+            config=convert.engine_config_to_proto(config)))
         return convert.loaded_model_from_proto(responses[0])
 
     def _wait_for_steps_sent(self) -> None:
@@ -179,17 +178,15 @@ class GrpcExecutor(Executor):
                                    worker_pb2.DetermineNumKvBlocksRequest())
         return min(r.num_blocks for r in responses)
 
-    def init_kv_cache(self, num_blocks):
-        self._call_all("InitKvCache", worker_pb2.InitKvCacheRequest(num_blocks=num_blocks))
-        self._next_step_sequence = 0
+    def init_kv_cache(self, num_blocks, next_step_id):
+        self._call_all("InitKvCache", worker_pb2.InitKvCacheRequest(
+            num_blocks=num_blocks, next_step_id=next_step_id))
 
     def execute_model(self, scheduler_output):
         return self.execute_model_async(scheduler_output).result()
 
     def execute_model_async(self, scheduler_output):
         request = convert.scheduler_output_to_proto(scheduler_output)
-        request.sequence = self._next_step_sequence
-        self._next_step_sequence += 1
         futures = self._last_step_sent = self._start_all("ExecuteModel", request)
         return PendingStep(
             lambda: convert.model_runner_output_from_proto(self._responses(futures)[0]))

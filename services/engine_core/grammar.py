@@ -1,21 +1,19 @@
-"""Structured outputs in the engine core, on xgrammar (as in vLLM): the compiler
-that turns a request's constraint into a grammar, and each request's matcher,
-which follows its output token by token and says which tokens may come next.
+"""Structured outputs in the engine core, on xgrammar (as in vLLM): how a
+request's constraint is compiled into a grammar (in a child process of
+grammar_compiler.py), and each request's matcher, which follows its output
+token by token and says which tokens may come next.
 
 xgrammar is imported on first use, so unconstrained serving never pays for it."""
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.model_store import resolve_model
+from services.common.errors import InvalidArgument
 from services.common.structured_outputs import (FIELD, MAX_JSON_WHITESPACE,
                                                 StructuredOutputsParams)
 
@@ -23,8 +21,6 @@ if TYPE_CHECKING:
     import xgrammar
 
 logger = logging.getLogger(__name__)
-# Compiled grammars xgrammar keeps for reuse (a JSON schema's is tens of KB).
-GRAMMAR_CACHE_BYTES = 256 << 20
 # xgrammar's messages start with "[time] /path/file.cc:123: " and may hold a
 # failed check's condition; the rest is what a person can act on.
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -40,56 +36,25 @@ def _error_text(error: Exception) -> str:
         "simplify the constraint")
 
 
-class GrammarCompiler:
-    """Compiles StructuredOutputsParams with xgrammar's compiler and its cache.
-    Thread-safe: the engine loop compiles on a thread of its own."""
-
-    def __init__(self, model: str, vocab_size: int):
-        self.model = model
-        self.vocab_size = vocab_size
-        self._lock = threading.Lock()
-        self._compiler: xgrammar.GrammarCompiler | None = None
-
-    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """Raises InvalidArgument naming the constraint when it does not compile."""
-        params.validate()
-        compiler = self._xgrammar_compiler()
-        kind = params.kind
-        try:
-            if kind in ("json", "json_object"):  # json_object: OpenAI's, always an object
-                whitespace = ({"any_whitespace": False} if params.disable_any_whitespace else
-                              {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE})
-                return compiler.compile_json_schema(params.json_text or '{"type": "object"}',
-                                                    **whitespace)
-            if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(params.choice))
-            return compiler.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError) as e:  # how xgrammar reports parse errors
-            raise InvalidArgument(f"{FIELD}.{kind}", _error_text(e)) from None
-
-    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
-        """Built on first use: it needs the model's tokenizer, which a model
-        directory serving only unconstrained requests may lack."""
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = self._build_compiler()
-            return self._compiler
-
-    def _build_compiler(self) -> xgrammar.GrammarCompiler:
-        import xgrammar
-
-        from services.common.tokenizer import load_tokenizer  # transformers: on first use too
-        try:
-            tokenizer, _ = load_tokenizer(resolve_model(self.model))
-        except (OSError, ValueError) as e:
-            raise FailedPrecondition(f"structured outputs need the model's tokenizer, which "
-                                     f"{self.model} does not have: {e}") from None
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-        logger.info("grammar compiler ready for %s (%d tokens)", self.model, self.vocab_size)
-        return xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
-                                        cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+def compile_constraint(compiler: xgrammar.GrammarCompiler,
+                       params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+    """Compiles a validated constraint with xgrammar; InvalidArgument naming it when
+    it does not compile. Runs in a grammar compiler's child process
+    (grammar_compiler.py), where a slow compile can be stopped."""
+    kind = params.kind
+    try:
+        if kind in ("json", "json_object"):  # json_object: OpenAI's, always an object
+            whitespace = ({"any_whitespace": False} if params.disable_any_whitespace else
+                          {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE})
+            return compiler.compile_json_schema(params.json_text or '{"type": "object"}',
+                                                **whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(params.regex)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(params.choice))
+        return compiler.compile_grammar(params.grammar)
+    except (RuntimeError, ValueError) as e:  # how xgrammar reports parse errors
+        raise InvalidArgument(f"{FIELD}.{kind}", _error_text(e)) from None
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -43,7 +43,8 @@ class Scheduler:
         # Finished since the last schedule(): sent to workers so they drop state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0
-        self.num_steps = 0  # schedule() calls: the last step's SchedulerOutput.step_id
+        # Steps sent (not empty ones): the last one's SchedulerOutput.step_id.
+        self.num_steps = 0
         # NOTE: a counter, not a scan of `waiting`: stats are read from another
         # thread while this one changes the queues.
         self.num_preempted = 0  # waiting requests whose status is PREEMPTED
@@ -112,8 +113,7 @@ class Scheduler:
         """The next step. With async scheduling it may be called again before the
         last step's output is back: each request's in-flight sampled tokens are
         placeholders, which the next step computes as the workers know them."""
-        self.num_steps += 1
-        output = SchedulerOutput(step_id=self.num_steps,
+        output = SchedulerOutput(step_id=self.next_step_id,
                                  finished_request_ids=sorted(self.finished_request_ids))
         self.finished_request_ids.clear()
         budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
@@ -129,7 +129,13 @@ class Scheduler:
                 if request.grammar is not None:  # the tokens its grammar allows next
                     output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
                 request.num_output_placeholders += 1
+        if not output.is_empty:  # the engine core sends it: the workers count it too
+            self.num_steps += 1
         return output
+
+    @property
+    def next_step_id(self) -> int:
+        return self.num_steps + 1
 
     def _prefill_cap(self) -> int | None:
         """How many prompt tokens this step may compute, if capped (see

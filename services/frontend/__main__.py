@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from services.common.auth import add_api_key_arg
-from services.common.config import DEFAULT_MODEL
+from services.common.config_cli import add_model_flag
 from services.common.metrics import ServiceMetrics, add_metrics_port_arg
 from services.common.model_store import resolve_model, served_model_name
 from services.common.pb import inference_pb2, inference_pb2_grpc
+from services.common.ports import add_optional_port_arg, add_port_arg
 from services.common.server import (ServiceServer, add_drain_arg, add_health_port_arg,
                                     run_service)
 from services.common.tls import add_tls_args, tls_from_args
@@ -29,7 +30,7 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmserve frontend", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    add_port_arg(parser, "--port", 50051, "the public Inference gRPC API's port")
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--engine-core-addresses", "--engine-core-address", required=True,
                         type=_engine_addresses,
@@ -40,10 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds between lookups of a dns: engine-core address")
     parser.add_argument("--engine-wait-timeout", type=float, default=120.0,
                         help="seconds to wait at start for the engine cores to answer")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="model name or HF directory, for the tokenizer")
-    parser.add_argument("--http-port", type=int, default=8000,
-                        help="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
+    add_model_flag(parser)
+    add_optional_port_arg(parser, "--http-port", 8000, "the OpenAI-compatible HTTP API's port")
     parser.add_argument("--http-host", help="its host (default: --host)")
     parser.add_argument("--lora-modules", nargs="*", default=[], type=_lora_module,
                         metavar="NAME=PATH", help="LoRA adapters to load at start (the "
@@ -87,7 +86,8 @@ async def serve(args: argparse.Namespace) -> None:
                           refresh_interval_s=args.dns_refresh_interval)
     await engine.start(timeout_s=args.engine_wait_timeout)
     # Metrics are kept when something serves them: --metrics-port or the HTTP API.
-    metrics = ServiceMetrics("llmserve-frontend") if args.metrics_port or args.http_port else None
+    metrics = (ServiceMetrics("llmserve-frontend")
+               if args.metrics_port is not None or args.http_port is not None else None)
     llm = await build_async_llm(engine, args.model, metrics)
     for name, path in args.lora_modules:
         await llm.loras.load(name, path)
@@ -100,9 +100,9 @@ async def serve(args: argparse.Namespace) -> None:
                            # Public callers show an API key, not a client certificate.
                            tls=tls, require_client_cert=False, api_key=args.api_key)
     http = (HttpServer(build_app(llm, args.api_key), args.http_host or args.host,
-                       args.http_port, tls) if args.http_port else None)
+                       args.http_port, tls) if args.http_port is not None else None)
     try:
-        if args.metrics_port:
+        if args.metrics_port is not None:
             metrics.serve(args.host, args.metrics_port)
         if http is not None:
             await http.start()

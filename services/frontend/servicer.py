@@ -8,6 +8,7 @@ from services.common import convert, tracing
 from services.common.pb import inference_pb2, inference_pb2_grpc
 from services.frontend.async_llm import AsyncLLM, PromptInput, RequestOptions
 from services.frontend.processor import ChatMessage
+from services.frontend.responses import generate_responses
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -22,7 +23,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             lora_name=request.lora_name if request.HasField("lora_name") else None,
             trace_context=tracing.context_from_metadata(context.invocation_metadata()))
         async for output in self.llm.generate(_input_of(request), params, request_id, options):
-            for response in convert.generate_responses(output):
+            for response in generate_responses(output):
                 yield response
 
     async def Tokenize(self, request, context):

@@ -9,6 +9,7 @@ import threading
 
 from services.common import metrics, tracing
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.ports import add_port_arg
 from services.common.server import ServiceServer, add_health_port_arg, start_process
 from services.common.tls import add_tls_args, tls_from_args
 from services.worker.cpu_cores import parse_cores, pin_to_cores
@@ -23,7 +24,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmserve worker", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50053, help="0 picks a free port")
+    add_port_arg(parser, "--port", 50053, "the Worker gRPC API's port")
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -52,8 +53,8 @@ async def serve(args: argparse.Namespace, runner: MainThreadRunner,
 
 
 def _metrics(args: argparse.Namespace, worker: Worker) -> WorkerMetrics | None:
-    """The worker's metrics, served on --metrics-port; None when it is 0."""
-    if not args.metrics_port:
+    """The worker's metrics, served on --metrics-port; None when it is off."""
+    if args.metrics_port is None:
         return None
     service = metrics.ServiceMetrics("llmserve-worker")
     worker_metrics = WorkerMetrics(service, worker)

@@ -42,15 +42,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolve_storage_dtypes(model_dtype: torch.dtype, weight_dtype: str,
                            kv_cache_dtype: str) -> tuple[torch.dtype | None, torch.dtype]:
-    """(16-bit weight dtype or None, KV cache dtype) from the opt-in flags."""
+    """(16-bit weight dtype or None, KV cache dtype) from the opt-in settings
+    ("auto": as the model's dtype)."""
     weights = None
-    if weight_dtype:
+    if weight_dtype != "auto":
         if model_dtype != torch.float32:
             raise ValueError(f"--weight-dtype {weight_dtype} applies to float32 models; this "
                              f"one runs in {str(model_dtype).removeprefix('torch.')} already")
         weights = resolve_dtype(weight_dtype, torch.device("cpu"))
-    return weights, resolve_dtype(kv_cache_dtype, torch.device("cpu")) if kv_cache_dtype \
-        else model_dtype
+    return weights, (model_dtype if kv_cache_dtype == "auto"
+                     else resolve_dtype(kv_cache_dtype, torch.device("cpu")))
 
 
 # ---- HF directories ------------------------------------------------------------------

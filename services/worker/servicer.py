@@ -26,7 +26,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def LoadModel(self, request, context):
         loaded = await self.run(self.worker.load_model,
-                                *convert.load_model_request_from_proto(request))
+                                convert.engine_config_from_proto(request.config))
         return convert.loaded_model_to_proto(loaded)
 
     async def DetermineNumKvBlocks(self, request, context):
@@ -36,7 +36,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def InitKvCache(self, request, context):
         await self.run(self.worker.init_kv_cache, request.num_blocks)
-        await self.step_order.reset()
+        await self.step_order.reset(request.next_step_id)
         if self.on_ready is not None:
             await self.on_ready()
         return worker_pb2.InitKvCacheResponse()
@@ -52,6 +52,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteModel(self, request, context):
         # Converted while the step before it may still run.
         scheduler_output = convert.scheduler_output_from_proto(request)
-        async with self.step_order.turn(request.sequence):
+        async with self.step_order.turn(request.step_id):
             output = await self.run(self.execute_model, scheduler_output)
         return convert.model_runner_output_to_proto(output)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
+from services.common.config import CacheConfig, EngineConfig
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -63,9 +63,9 @@ class Worker:
         self.cache_config: CacheConfig | None = None
         self.description: WorkerDescription | None = None
 
-    def load_model(self, model_config: ModelConfig, cache_config: CacheConfig,
-                   parallel_config: ParallelConfig = ParallelConfig(),
-                   lora_config: LoRAConfig = LoRAConfig()) -> LoadedModel:
+    def load_model(self, config: EngineConfig) -> LoadedModel:
+        model_config, cache_config = config.model, config.cache
+        parallel_config, lora_config = config.parallel, config.lora
         # The same seed on every rank: all ranks draw the same tokens.
         torch.manual_seed(model_config.seed)
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,

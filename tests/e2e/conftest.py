@@ -1,5 +1,4 @@
 """One three-process stack shared by the end-to-end tests (starting one takes seconds)."""
-import time
 
 import grpc
 import pytest
@@ -8,13 +7,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.stack import engine_stats_at
 from llmserve.launcher import LocalStack
 from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
-                                    SchedulerConfig)
-from tests.e2e.otlp_receiver import OtlpReceiver
+                                    SchedulerConfig, StructuredOutputsConfig)
+from bench.otlp_receiver import OtlpReceiver
 from tests.lora_adapters import ALL_PROJECTIONS, build_adapter
+from tests.waiting import wait_until
 
-# Small limits so that tests can fill the batch and the waiting queue.
+# Small limits so that tests can fill the batch and the waiting queue, and
+# see a grammar compile stopped.
 MAX_NUM_SEQS = 8
 MAX_WAITING = 8
+COMPILE_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="package")
@@ -45,7 +47,8 @@ def stack(tmp_path_factory, model_dir, otlp, lora_dirs):
                           cache=CacheConfig(kv_cache_bytes=160 << 20),
                           scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
                                                     max_waiting_requests=MAX_WAITING),
-                          lora=LoRAConfig(enable_lora=True, max_loras=2))
+                          lora=LoRAConfig(enable_lora=True, max_loras=2),
+                          structured_outputs=StructuredOutputsConfig(COMPILE_TIMEOUT_S))
     local = LocalStack(config, port=0, log_dir=str(log_dir), http_port=0, metrics_port=0,
                        lora_modules=[f"start-adapter={lora_dirs['start']}"],
                        env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
@@ -82,10 +85,12 @@ def wait_all_blocks_free(stack, name: str = "engine-core", timeout_s: float = 10
 
 
 def wait_all_blocks_free_at(engine_address: str, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def idle():
         stats = engine_stats_at(engine_address)
-        if stats.num_used_kv_blocks == 0 and stats.num_running == 0:
-            return stats
-        assert time.monotonic() < deadline, f"KV blocks still held: {stats}"
-        time.sleep(0.05)
+        return stats if stats.num_used_kv_blocks == 0 and stats.num_running == 0 else None
+    return wait_until(idle, f"every KV block of {engine_address} free", timeout_s)
+
+
+def wait_for_engine_stat(stack, field: str, n: int):
+    """Polls until the engine core's stat `field` reaches n."""
+    wait_until(lambda: getattr(engine_stats(stack), field) >= n, f"{field} reaching {n}")

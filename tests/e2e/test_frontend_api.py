@@ -1,7 +1,6 @@
 """The public API over real gRPC: every error path, stop strings, output kinds,
 n > 1, logprobs, tokenize / detokenize."""
 import concurrent.futures
-import time
 
 import grpc
 import pytest
@@ -9,7 +8,8 @@ import pytest
 from llmserve.client import Client
 from services.common.pb import common_pb2
 from services.common.sampling_params import OutputKind
-from tests.e2e.conftest import MAX_NUM_SEQS, MAX_WAITING, address, engine_stats, wait_all_blocks_free
+from tests.e2e.conftest import (MAX_NUM_SEQS, MAX_WAITING, address, engine_stats,
+                               wait_all_blocks_free, wait_for_engine_stat)
 
 pytestmark = pytest.mark.e2e
 
@@ -76,16 +76,10 @@ def test_full_waiting_queue_is_resource_exhausted_and_harms_nobody(stack, client
         return [client.generate(f"{i} {PROMPT}", max_tokens=2000, ignore_eos=True)
                 for i in range(n)]
 
-    def wait_for(field, n):
-        deadline = time.monotonic() + 30
-        while getattr(engine_stats(stack), field) < n:
-            assert time.monotonic() < deadline, f"{field} never reached {n}"
-            time.sleep(0.05)
-
     streams = start(MAX_NUM_SEQS)
-    wait_for("num_running", MAX_NUM_SEQS)
+    wait_for_engine_stat(stack, "num_running", MAX_NUM_SEQS)
     streams += start(MAX_WAITING)
-    wait_for("num_waiting", MAX_WAITING)
+    wait_for_engine_stat(stack, "num_waiting", MAX_WAITING)
     err = error_of(lambda: client.generate(PROMPT, max_tokens=2))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in err.details()
     for s in streams:

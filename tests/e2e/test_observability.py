@@ -3,7 +3,6 @@ request's phases, received by a real OTLP endpoint; Prometheus metrics on every
 --metrics-port that count what was sent; and every dashboard query evaluated by
 Prometheus itself."""
 import random
-import time
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ import requests
 from llmserve.client import Client
 from tests.e2e.conftest import address, wait_all_blocks_free
 from tests.metrics_scrape import scrape
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -25,25 +25,17 @@ def value(samples: dict, name: str, **labels) -> float:
                if n == name and all((k, str(x)) in ls for k, x in labels.items()))
 
 
-def wait_for(condition, timeout_s: float = 15.0, what: str = ""):
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return result
-
-
 def test_one_trace_across_three_services_with_the_request_phases(stack, otlp):
     with Client(address(stack, "frontend")) as client:
         list(client.generate(prompt="Trace me " * 20, max_tokens=4, ignore_eos=True,
                              request_id="traced-request"))
-    frontend = wait_for(lambda: otlp.find_spans("frontend.request",
-                                                **{"gen_ai.request.id": "traced-request"}),
-                        what="the frontend's span")[0]
+    frontend = wait_until(lambda: otlp.find_spans("frontend.request",
+                                                  **{"gen_ai.request.id": "traced-request"}),
+                          what="the frontend's span")[0]
     trace_id = frontend.trace_id
-    wait_for(lambda: {s.name for s in otlp.spans_of_trace(trace_id)} >= {
+    wait_until(lambda: {s.name for s in otlp.spans_of_trace(trace_id)} >= {
         "engine_core.request", "worker.request", "queued", "prefill", "decode"},
-             what="every span of the trace")
+               what="every span of the trace")
     spans = otlp.spans_of_trace(trace_id)
     assert {s.service_name for s in spans} == set(SERVICES.values())
     engine = next(s for s in spans if s.name == "engine_core.request")
@@ -59,8 +51,8 @@ def test_one_trace_across_three_services_with_the_request_phases(stack, otlp):
         assert span.attributes["gen_ai.usage.input_tokens"] > 20
         assert span.attributes["gen_ai.response.finish_reasons"] == ["length"]
         assert not any(k.endswith(("prompt_tokens", "completion_tokens")) for k in span.attributes)
-    steps = wait_for(lambda: [s for s in otlp.find_spans("engine_core.step")
-                              if trace_id in s.linked_trace_ids], what="linked step spans")
+    steps = wait_until(lambda: [s for s in otlp.find_spans("engine_core.step")
+                                if trace_id in s.linked_trace_ids], what="linked step spans")
     assert all(s.trace_id != trace_id for s in steps)  # their own traces, linked
 
 
@@ -112,11 +104,12 @@ def test_metrics_count_what_was_sent_and_gauges_return_to_zero(stack, otlp):
     assert value(scrape(frontend_http), "llmserve:generation_tokens_total") == \
         value(after["frontend"], "llmserve:generation_tokens_total")
     # And the same instruments reach the OTLP endpoint.
-    wait_for(lambda: {"llmserve.generation_tokens", "llmserve.time_to_first_token_seconds"}
-             <= otlp.metric_names.get("llmserve-frontend", set())
-             and "llmserve.num_requests_running" in otlp.metric_names.get("llmserve-engine-core", ())
-             and "llmserve.worker_forward_time_seconds" in otlp.metric_names.get(
-                 "llmserve-worker", ()), what="OTLP metrics of all three services")
+    wait_until(lambda: {"llmserve.generation_tokens", "llmserve.time_to_first_token_seconds"}
+               <= otlp.metric_names.get("llmserve-frontend", set())
+               and "llmserve.num_requests_running" in otlp.metric_names.get(
+                   "llmserve-engine-core", ())
+               and "llmserve.worker_forward_time_seconds" in otlp.metric_names.get(
+                   "llmserve-worker", ()), what="OTLP metrics of all three services")
 
 
 def engine_info_labels(samples: dict) -> dict:

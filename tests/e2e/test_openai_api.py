@@ -3,7 +3,6 @@ real three-process stack: chat and completions, streaming, usage, n, stop,
 logprobs, every error status, and client disconnects freeing their KV blocks."""
 import json
 import signal
-import time
 
 import requests
 import openai
@@ -12,7 +11,9 @@ import pytest
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
 from services.common.config import CacheConfig, EngineConfig, ModelConfig
-from tests.e2e.conftest import MAX_NUM_SEQS, MAX_WAITING, address, engine_stats, wait_all_blocks_free
+from tests.e2e.conftest import (MAX_NUM_SEQS, MAX_WAITING, address, engine_stats,
+                               wait_all_blocks_free, wait_for_engine_stat)
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -124,20 +125,14 @@ def test_unknown_model_is_404(client):
 
 
 def test_full_queue_is_429_and_harms_nobody(stack, client):
-    def wait_for(field, n):
-        deadline = time.monotonic() + 60
-        while getattr(engine_stats(stack), field) < n:
-            assert time.monotonic() < deadline, f"{field} never reached {n}"
-            time.sleep(0.05)
-
     with Client(address(stack, "frontend")) as grpc_client:
         def start(n, offset):
             return [grpc_client.generate(f"{offset + i} Tell a story.", max_tokens=2000,
                                          ignore_eos=True) for i in range(n)]
         streams = start(MAX_NUM_SEQS, 0)
-        wait_for("num_running", MAX_NUM_SEQS)
+        wait_for_engine_stat(stack, "num_running", MAX_NUM_SEQS)
         streams += start(MAX_WAITING, MAX_NUM_SEQS)
-        wait_for("num_waiting", MAX_WAITING)
+        wait_for_engine_stat(stack, "num_waiting", MAX_WAITING)
         with pytest.raises(openai.RateLimitError) as err:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert "waiting" in err.value.body["message"]
@@ -190,9 +185,9 @@ def test_no_engine_core_is_503(tmp_path, model_dir):
         engine = next(s for s in small.services if s.name == "engine-core")
         engine.process.send_signal(signal.SIGKILL)
         engine.process.wait()
-        time.sleep(2.5)  # the router notices at its next load poll
+        # The router notices at its next load poll.
+        wait_until(lambda: requests.get(f"{url}/health").status_code == 503, "/health 503")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert err.value.status_code == 503 and "engine core" in err.value.body["message"]
-        assert requests.get(f"{url}/health").status_code == 503

@@ -3,7 +3,6 @@ every HTTP endpoint of a real stack: no 5xx, and afterwards the server is health
 and holds no KV block."""
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,8 @@ import requests
 from llmserve.launcher import LocalStack
 from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                                     SchedulerConfig)
-from tests.e2e.conftest import engine_stats
+from tests.e2e.conftest import wait_all_blocks_free
+from tests.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +48,4 @@ def test_generated_bodies_never_get_a_server_error(fuzz_stack, tmp_path):
 
 def test_the_server_is_healthy_and_holds_no_kv_block_afterwards(fuzz_stack):
     assert requests.get(f"http://{fuzz_stack.http_address}/health", timeout=10).status_code == 200
-    deadline = time.monotonic() + 30
-    while (stats := engine_stats(fuzz_stack)).num_used_kv_blocks or stats.num_running:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.1)
+    wait_all_blocks_free(fuzz_stack, timeout_s=DEADLINE_S)

@@ -12,7 +12,7 @@ import pytest
 
 from llmserve import StructuredOutputsParams
 from llmserve.client import Client
-from tests.e2e.conftest import address, wait_all_blocks_free
+from tests.e2e.conftest import COMPILE_TIMEOUT_S, address, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -97,3 +97,19 @@ def test_http_bad_constraints_are_400_naming_them(http, body, field):
     assert field in err.value.body["message"], err.value.body
     assert err.value.body["type"] == "invalid_request_error"
     assert http.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_http_a_compile_over_the_limit_is_400_naming_the_limit(stack, http):
+    """The shared stack compiles within COMPILE_TIMEOUT_S: a pattern xgrammar
+    would compile for minutes is stopped there, and the server goes on."""
+    schema = {"type": "object", "properties": {"code": {"type": "string",
+                                                         "pattern": "^[a-z]{1,50000}$"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        http.completions.create(model=MODEL, prompt="Code:", max_tokens=8,
+                                extra_body={"structured_outputs": {"json": schema}})
+    message = err.value.body["message"]
+    assert "structured_outputs.json" in message
+    assert "--structured-outputs-compile-timeout" in message
+    assert f"within {COMPILE_TIMEOUT_S:g} s" in message
+    assert http.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+    wait_all_blocks_free(stack)

@@ -3,20 +3,23 @@ constraint (JSON schema, regex, choice, grammar, JSON object) across seeds and
 temperatures, with n > 1, through preemption, prefix caching and a moved
 request; unconstrained requests batched with them are unchanged."""
 import asyncio
+import concurrent.futures
 import json
+import os
 import re
-import threading
-import time
+import signal
 
 import jsonschema
 import pytest
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, LLMServeError
 from services.common.request_types import EngineCoreRequest
 from services.engine_core.engine_loop import EngineLoop
+from services.engine_core.grammar_compiler import GrammarCompiler
 from services.frontend.engine_client import InprocEngineClient
 from tests.conftest import PROMPTS, make_engine_core
+from tests.waiting import until, wait_until
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -187,37 +190,85 @@ def test_a_moved_request_resumes_its_grammar(model_dir, tokenizer):
         core.add_request(request)
 
 
-def test_a_slow_compile_holds_up_no_other_request(model_dir, tokenizer, monkeypatch):
-    """The engine loop compiles on its own thread: while one request's grammar
-    takes 3 s to compile, an unconstrained request runs to its end."""
-    core = make_engine_core(model_dir)
-    compile_grammar = core.grammar_compiler.compile
-    compile_done = threading.Event()
+def _slow_schema(repeats: int) -> StructuredOutputsParams:
+    """A constraint xgrammar takes minutes to compile (then fails), for repeats up
+    to 50,000 (above, it gives up at once)."""
+    return StructuredOutputsParams(json={"type": "object", "properties": {"code": {
+        "type": "string", "pattern": f"^[a-z]{{1,{repeats}}}$"}}})
 
-    def slow_compile(constraint):
-        time.sleep(3)
-        compile_done.set()
-        return compile_grammar(constraint)
 
-    monkeypatch.setattr(core.grammar_compiler, "compile", slow_compile)
+def test_slow_compiles_hold_up_neither_other_compiles_nor_steps(model_dir, tokenizer):
+    """Two constraints that would compile for minutes, each in its own child
+    process; meanwhile a fast constrained request and an unconstrained one run to
+    their end. Cancelling the slow requests stops their compiles."""
+    core = make_engine_core(model_dir, compile_timeout_s=3600)
+    compiler = core.grammar_compiler
     client = InprocEngineClient(EngineLoop(core))
     prompt = tokenizer(PROMPTS[0])["input_ids"]
 
-    async def run_both():
-        async def collect(request):
-            return [t async for o in client.generate(request) for t in o.new_token_ids]
-        constrained = asyncio.create_task(collect(EngineCoreRequest("json", prompt, SamplingParams(
-            max_tokens=60, temperature=0, structured_outputs=CONSTRAINTS["json_compact"][0]),
-            eos_token_ids=[2])))
-        await asyncio.sleep(0.2)  # the compile has started
+    async def collect(request):
+        return [t async for o in client.generate(request) for t in o.new_token_ids]
+
+    def constrained(request_id, constraint, max_tokens=60):
+        return EngineCoreRequest(request_id, prompt, SamplingParams(
+            max_tokens=max_tokens, temperature=0, structured_outputs=constraint),
+            eos_token_ids=[2])
+
+    async def run():
+        slow = [asyncio.create_task(collect(constrained(f"slow{i}", _slow_schema(50000 - i))))
+                for i in range(2)]
+        await until(lambda: compiler.num_compiling == 2, "two slow compiles running")
+        fast = await collect(constrained("fast", CONSTRAINTS["json_compact"][0]))
         free = await collect(EngineCoreRequest("free", prompt, SamplingParams(
             max_tokens=8, temperature=0, ignore_eos=True)))
-        assert len(free) == 8 and not compile_done.is_set()
-        return await constrained
+        assert compiler.num_compiling == 2 and not any(task.done() for task in slow)
+        for task in slow:
+            task.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        await until(lambda: compiler.num_compiling == 0, "the slow compiles stopped")
+        return fast, free
 
     try:
-        tokens = asyncio.run(run_both())
-        assert CONSTRAINTS["json_compact"][1](tokenizer.decode(tokens, skip_special_tokens=True))
-        assert core.stats().num_used_kv_blocks == 0
+        fast, free = asyncio.run(run())
+        assert CONSTRAINTS["json_compact"][1](tokenizer.decode(fast, skip_special_tokens=True))
+        assert len(free) == 8 and core.stats().num_used_kv_blocks == 0
     finally:
         asyncio.run(client.close())
+
+
+def test_the_offline_llm_stops_a_compile_over_its_limit(model_dir, tokenizer):
+    """The limit is a setting of every layer's config, the offline LLM's too: a
+    compile over it is stopped, its request refused naming the limit, and the
+    engine goes on."""
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, kv_cache_gib=0.05,
+              structured_outputs_compile_timeout=1.5)
+    compiler = llm.llm_engine.engine_core.grammar_compiler
+    with pytest.raises(InvalidArgument, match=r"structured_outputs\.json: did not compile within "
+                                              r"1\.5 s .*--structured-outputs-compile-timeout"):
+        llm.generate("Code:", SamplingParams(structured_outputs=_slow_schema(50000)),
+                     use_tqdm=False)
+    assert compiler.num_compiling == 0
+    [output] = llm.generate(PROMPTS[0], SamplingParams(
+        max_tokens=40, temperature=0, structured_outputs=CONSTRAINTS["json_compact"][0]),
+        use_tqdm=False)
+    assert CONSTRAINTS["json_compact"][1](output.outputs[0].text)
+    assert llm.llm_engine.engine_core.stats().num_used_kv_blocks == 0
+
+
+def test_the_compiler_outlives_its_processes(model_dir, tokenizer):
+    """A compile child killed mid-compile fails its request with a reason; a dead
+    zygote is started again; the next compiles work."""
+    compiler = GrammarCompiler(model_dir, len(tokenizer), timeout_s=3600)
+    compiler.compile(StructuredOutputsParams(regex="[0-9]+"))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(compiler.compile, _slow_schema(50000))
+        wait_until(lambda: compiler.num_compiling == 1, "a slow compile running")
+        [busy] = set(compiler._children) - set(compiler._idle)
+        os.kill(busy.pid, signal.SIGKILL)
+        with pytest.raises(LLMServeError, match="process died compiling it"):
+            slow.result()
+    compiler._zygote.process.kill()
+    compiler._zygote.process.wait()
+    assert compiler.compile(StructuredOutputsParams(regex="[a-z]+")) is not None
+    assert compiler.num_compiling == 0
+    compiler.close()

@@ -38,7 +38,7 @@ class FakeExecutor(Executor):
         # The distinct adapters of each step's scheduled requests.
         self.step_loras: list[set[int]] = []
 
-    def load_model(self, model_config, cache_config, parallel_config, lora_config):
+    def load_model(self, config):
         return LoadedModel(vocab_size=VOCAB_SIZE, dtype="float32", kv_block_bytes=1)
 
     def add_lora(self, lora_id, lora_path):
@@ -50,8 +50,8 @@ class FakeExecutor(Executor):
     def determine_num_kv_blocks(self):
         return self.num_blocks
 
-    def init_kv_cache(self, num_blocks):
-        pass
+    def init_kv_cache(self, num_blocks, next_step_id):
+        self.next_step_id = next_step_id
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in so.finished_request_ids:

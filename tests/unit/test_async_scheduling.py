@@ -114,17 +114,18 @@ def test_the_worker_runs_steps_in_the_order_they_were_sent():
     async def main():
         order, ran = StepOrder(), []
 
-        async def step(sequence):
-            async with order.turn(sequence):
+        async def step(step_id):
+            async with order.turn(step_id):
                 await asyncio.sleep(0)
-                ran.append(sequence)
-        await asyncio.gather(step(2), step(1), step(0))
-        assert ran == [0, 1, 2]
-        late = asyncio.create_task(step(5))  # 3 and 4 never come
-        await asyncio.sleep(0.01)
-        await order.reset()  # the engine core set the KV cache up again
+                ran.append(step_id)
+        await asyncio.gather(step(3), step(2), step(1))
+        assert ran == [1, 2, 3]
+        late = asyncio.create_task(step(6))  # 4 and 5 never come
+        await asyncio.sleep(0)
+        assert not late.done()
+        await order.reset(7)  # the engine core set the KV cache up again
         with pytest.raises(FailedPrecondition):
             await late
-        await step(0)
-        assert ran == [0, 1, 2, 0]
+        await asyncio.gather(step(8), step(7))
+        assert ran == [1, 2, 3, 7, 8]
     asyncio.run(main())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.cpu_build import cpu_ops_available
-from kernels.cpu_paged_attention import (kv_cache_shape, paged_decode_attention,
+from kernels.paged_attention import (kv_cache_shape, paged_decode_attention,
                                          paged_decode_attention_reference, split_kv_cache,
                                          write_kv_cache, write_kv_cache_reference)
 

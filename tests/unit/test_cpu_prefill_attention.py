@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_paged_attention import (kv_cache_shape, paged_prefill_attention,
+from kernels.paged_attention import (kv_cache_shape, paged_prefill_attention,
                                          paged_prefill_attention_reference, split_kv_cache,
                                          write_kv_cache)
 

@@ -13,8 +13,7 @@ from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.common.scheduler_output import (CachedRequestData, NewRequestData,  # noqa: E402
                                               SchedulerOutput)
 from services.worker.attention.flash_attn import FlashAttentionBackend  # noqa: E402
-from services.worker.attention.flash_attn_reference import \
-    flash_attn_varlen_func_reference  # noqa: E402
+from tests.references.flash_attn import flash_attn_varlen_func_reference  # noqa: E402
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from services.worker.model_loader import build_model  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402

@@ -18,6 +18,7 @@ from services.engine_core.engine_loop import EngineLoop
 from services.engine_core.servicer import EngineCoreServicer
 from services.frontend.engine_client import GrpcEngineClient
 from tests.unit.fake_executor import FakeExecutor, reference_tokens
+from tests.waiting import until
 
 MAX_MODEL_LEN = 64
 
@@ -143,8 +144,5 @@ def test_leaving_a_request_or_closing_the_session_aborts_it(how):
 
 
 async def _until_idle(engine: EngineLoop) -> None:
-    for _ in range(200):
-        if engine.num_in_flight() == 0 and not engine.core.has_work():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("requests still in flight")
+    await until(lambda: engine.num_in_flight() == 0 and not engine.core.has_work(),
+                "no request in flight")

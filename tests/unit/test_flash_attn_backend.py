@@ -11,10 +11,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from services.worker.attention import AttentionMetadata, TorchSDPABackend  # noqa: E402
-from services.worker.attention.flash_attn_reference import (  # noqa: E402
-    flash_attn_varlen_func_reference,
-)
+from services.worker.attention import AttentionMetadata, CpuPagedBackend  # noqa: E402
+from tests.references.flash_attn import flash_attn_varlen_func_reference  # noqa: E402
+from tests.references.paged_kv_store import store_kv_cache_reference  # noqa: E402
 
 try:
     import triton  # noqa: F401
@@ -25,7 +24,7 @@ needs_triton = pytest.mark.skipif(
     not HAS_TRITON,
     reason="triton is not installed (pip install -e '.[test]' brings triton==3.9.0)")
 if HAS_TRITON:
-    from kernels.paged_kv_store import store_kv_cache, store_kv_cache_reference
+    from kernels.paged_kv_store import store_kv_cache
     from services.worker.attention.flash_attn import FlashAttentionBackend, cumulative_seq_lens
 
 BLOCK_SIZE = 16
@@ -110,25 +109,26 @@ BATCHES = {
 
 @needs_triton
 @pytest.mark.parametrize("batch", sorted(BATCHES))
-def test_backend_matches_torch_sdpa(batch):
+def test_backend_matches_cpu_paged(batch):
     requests = BATCHES[batch]
     gen = torch.Generator().manual_seed(sorted(BATCHES).index(batch))
     meta = build_metadata(requests, _random_block_ids(requests, gen), BLOCK_SIZE)
     q, k, v, initial = _random_inputs(meta, gen)
     scale = HEAD_DIM ** -0.5
-    sdpa, flash = TorchSDPABackend(), FlashAttentionBackend(flash_attn_varlen_func_reference)
+    paged, flash = CpuPagedBackend(), FlashAttentionBackend(flash_attn_varlen_func_reference)
     flash_cache = initial.clone()
-    sdpa_cache = torch.empty(sdpa.kv_cache_shape(initial.shape[1], BLOCK_SIZE, *initial.shape[3:]))
-    for logical, content in zip(sdpa.logical_kv(sdpa_cache, BLOCK_SIZE), initial):
+    paged_cache = torch.empty(paged.kv_cache_shape(initial.shape[1], BLOCK_SIZE,
+                                                   *initial.shape[3:]))
+    for logical, content in zip(paged.logical_kv(paged_cache, BLOCK_SIZE), initial):
         logical.copy_(content)
 
-    expected = sdpa.forward(q, k, v, sdpa.bind_cache(sdpa_cache, BLOCK_SIZE), meta, scale)
+    expected = paged.forward(q, k, v, paged.bind_cache(paged_cache, BLOCK_SIZE), meta, scale)
     actual = flash.forward(q, k, v, flash.bind_cache(flash_cache, BLOCK_SIZE), meta, scale)
 
     assert actual.shape == q.shape
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     for a, b in zip(flash.logical_kv(flash_cache, BLOCK_SIZE),
-                    sdpa.logical_kv(sdpa_cache, BLOCK_SIZE)):
+                    paged.logical_kv(paged_cache, BLOCK_SIZE)):
         assert torch.equal(a, b)
 
 

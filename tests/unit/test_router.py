@@ -8,6 +8,7 @@ from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, 
 from services.common.sampling_params import SamplingParams
 from services.frontend.engine_addresses import ResolveError, StaticAddresses
 from services.frontend.router import EngineRouter
+from tests.waiting import DEADLINE_S, until
 
 
 class FakeClient:
@@ -43,7 +44,8 @@ async def drive(router, requests):
     async def one(r):
         return [o async for o in router.generate(r)]
     tasks = [asyncio.create_task(one(r)) for r in requests]
-    await asyncio.sleep(0.01)
+    await until(lambda: sum(len(r.client.served) for r in router.replicas) == len(requests),
+                "every request reaching a replica")
     served = {r.client.address: list(r.client.served) for r in router.replicas}
     for r in router.replicas:
         r.client.release.set()
@@ -78,8 +80,10 @@ class FakeDnsName:
 
     def __init__(self, *addresses):
         self.now = list(addresses)
+        self.lookups = 0
 
     async def resolve(self):
+        self.lookups += 1
         if isinstance(self.now, Exception):
             raise self.now
         return list(self.now)
@@ -90,34 +94,31 @@ def test_replicas_join_and_leave_as_the_name_resolves():
         name = FakeDnsName("a:1")
         router = EngineRouter(name, connect=FakeClient, poll_interval_s=0.01,
                               refresh_interval_s=0.01)
-        await router.start(timeout_s=1.0)
+        await router.start(timeout_s=DEADLINE_S)
         assert [r.client.address for r in router.replicas] == ["a:1"]
         first = router.replicas[0]
 
         name.now = ["a:1", "b:1"]  # scaled up: b joins once its first poll answers
-        await asyncio.sleep(0.1)
-        assert [(r.client.address, r.healthy) for r in router.replicas] == [
-            ("a:1", True), ("b:1", True)]
+        await until(lambda: [(r.client.address, r.healthy) for r in router.replicas] == [
+            ("a:1", True), ("b:1", True)], "b joining, healthy")
 
         stream = router.generate(request("on-a", [9]))
         pending = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.05)
-        owner = router._owner["on-a"]
+        owner = await until(lambda: router._owner.get("on-a"), "the request routed")
         name.now = ["b:1"] if owner is first else ["a:1"]  # its replica leaves
-        await asyncio.sleep(0.1)
-        assert owner not in router.replicas and not getattr(owner.client, "closed", False)
+        await until(lambda: owner not in router.replicas, "its replica leaving")
+        assert not getattr(owner.client, "closed", False)
         owner.client.release.set()  # the request in flight still finishes there
         assert (await pending).new_token_ids == [1]
         assert [o async for o in stream] == []
-        await asyncio.sleep(0.1)
-        assert owner.client.closed
+        await until(lambda: getattr(owner.client, "closed", False), "the replica's client closed")
 
         name.now = ResolveError("no DNS server answered")  # keep what we know
-        await asyncio.sleep(0.1)
+        lookups = name.lookups
+        await until(lambda: name.lookups >= lookups + 3, "three failed lookups")
         assert len(router.replicas) == 1
         name.now = []  # no ready pod at all
-        await asyncio.sleep(0.1)
-        assert router.replicas == []
+        await until(lambda: router.replicas == [], "every replica gone")
         await router.close()
     asyncio.run(run())
 
@@ -126,11 +127,11 @@ def test_start_waits_for_the_name_to_have_an_address():
     async def run():
         name = FakeDnsName()
         router = EngineRouter(name, connect=FakeClient, poll_interval_s=0.01)
-        starting = asyncio.ensure_future(router.start(timeout_s=5.0))
-        await asyncio.sleep(0.1)
+        starting = asyncio.ensure_future(router.start(timeout_s=60.0))
+        await until(lambda: name.lookups >= 3, "three empty lookups")
         assert not starting.done()
         name.now = ["a:1"]
-        await asyncio.wait_for(starting, 1.0)
+        await asyncio.wait_for(starting, DEADLINE_S)
         assert [r.healthy for r in router.replicas] == [True]
         await router.close()
     asyncio.run(run())

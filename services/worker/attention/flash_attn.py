@@ -31,7 +31,7 @@ def load_flash_attn_varlen() -> VarlenFn:
     except ImportError as exc:
         raise ImportError(
             "the flash_attn attention backend needs flash-attn 2 (a CUDA build): "
-            "pip install -e '.[cuda]' on a machine with an NVIDIA GPU, or use the torch_sdpa "
+            "pip install -e '.[cuda]' on a machine with an NVIDIA GPU, or use the cpu_paged "
             "backend") from exc
     return flash_attn_varlen_func
 

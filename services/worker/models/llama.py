@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from services.worker.attention import AttentionMetadata, TorchSDPABackend
+from services.worker.attention import AttentionMetadata, CpuPagedBackend
 from services.worker.layers import RMSNorm, Rope, RotaryEmbedding, apply_rope, silu_and_mul
 from services.worker.linear import (PackedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                     VocabParallelEmbedding)
@@ -158,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, max_positions, self.arch_flags(config),
-                                backend or TorchSDPABackend(), tp)
+                                backend or CpuPagedBackend(), tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,7 +1,9 @@
 """The CPU backend's paged KV cache: its layout, writing new tokens' K/V, and
 attention over it (decodes, and causal prefills). C++ kernels
 (csrc/paged_attention.cpp) when they could be built, and the pure-torch
-references they are tested against.
+references they are tested against. The references ship because they also
+serve: they run where the kernels do not (CUDA tensors without flash-attn,
+head dims and block sizes the kernels are not compiled for, no compiler).
 
 Layout per layer: one tensor [2, num_blocks, kv_heads, block_size * head_dim]:
 - keys as [num_blocks, kv_heads, head_dim, block_size]: transposed per block, so

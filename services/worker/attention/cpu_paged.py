@@ -1,20 +1,20 @@
-"""The CPU backend: decodes and prefills by the C++ paged kernels, over the CPU
-layout of the paged KV cache (kernels/cpu_paged_attention.py); their torch
-references (gather, then torch's scaled_dot_product_attention, whence the name)
-on other devices and shapes."""
+"""cpu_paged: attention by our C++ paged kernels (decodes, and causal prefills)
+over the CPU layout of the paged KV cache (kernels/paged_attention.py); their
+torch references (gather, then torch's scaled_dot_product_attention) on other
+devices and shapes. Once called torch_sdpa, a name still accepted."""
 from __future__ import annotations
 
 import torch
 
 from kernels.cpu_build import cpu_ops_available
-from kernels.cpu_paged_attention import (kv_cache_shape, logical_key_cache, logical_value_cache,
+from kernels.paged_attention import (kv_cache_shape, logical_key_cache, logical_value_cache,
                                          paged_decode_attention, paged_prefill_attention,
                                          split_kv_cache, write_kv_cache)
 from services.worker.attention.metadata import AttentionMetadata
 
 
-class TorchSDPABackend:
-    name = "torch_sdpa"
+class CpuPagedBackend:
+    name = "cpu_paged"
 
     def __init__(self):
         cpu_ops_available()  # build the CPU kernels at start-up, not on the first request

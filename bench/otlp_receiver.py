@@ -1,5 +1,6 @@
-"""A real OTLP/gRPC endpoint inside the test process: it keeps every span and
-metric the services export, as a collector would receive them."""
+"""A real OTLP/gRPC endpoint inside this process (the benchmark's or the tests'):
+it keeps every span and metric the services export, as a collector would
+receive them."""
 from __future__ import annotations
 
 import threading

@@ -1,0 +1,1 @@
+"""Pure-torch references that the tests hold kernels against; not shipped."""
