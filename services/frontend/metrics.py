@@ -7,8 +7,14 @@ import time
 
 from services.common.metrics import ServiceMetrics, exponential_buckets
 from services.common.request_events import RequestEvent, request_phases
+from services.common.request_types import FinishReason
 from services.frontend.choice import ChoiceState
+from services.frontend.openai_api.errors import ERROR_STATUSES
 
+# The codes the servers answer errors with: gRPC code names, HTTP statuses.
+_ERROR_CODES = {
+    "grpc": sorted({code.name for code in ERROR_STATUSES} | {"INTERNAL"}),
+    "http": sorted({str(status) for status, _ in ERROR_STATUSES.values()} | {"500"})}
 # vLLM's buckets, in seconds.
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -58,6 +64,17 @@ class FrontendMetrics:
             "llmserve:request_errors", "Requests that ended with an error status: the gRPC "
             "code name, or the HTTP status.", ["model_name", "api", "code"])
         self._model = model
+        self._start_known_series()
+
+    def _start_known_series(self) -> None:
+        """Every series of a known label value, at 0 from the start: a dashboard's
+        error panel then shows 0, not "No data", on a server with no error yet
+        (Prometheus' advice on missing series; vLLM does it too)."""
+        for reason in FinishReason:
+            self._success.labels(**self._model, finished_reason=str(reason))
+        for api, codes in _ERROR_CODES.items():
+            for code in codes:
+                self._errors.labels(**self._model, api=api, code=code)
 
     # ---- called by the OutputProcessor -------------------------------------------
 

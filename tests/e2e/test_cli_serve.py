@@ -11,7 +11,8 @@ import urllib.request
 import pytest
 
 from llmserve.client import Client
-from llmserve.launcher import free_port
+from tests.e2e.test_dashboards import dashboard_queries, variable_queries
+from tests.metrics_scrape import scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -32,17 +33,33 @@ def _alive(pid: int) -> bool:
 
 
 def _start_serve(model_dir):
+    """`llmserve serve` on free ports (0: every port flag's "pick one"); its
+    process, gRPC address, HTTP URL and metrics URLs by service, as it prints them."""
     process = subprocess.Popen(
         [sys.executable, "-m", "llmserve.cli", "serve", "--port", "0", "--model", model_dir,
-         "--dtype", "float32", "--kv-cache-gib", "0.1", "--http-port", str(free_port("127.0.0.1"))],
+         "--dtype", "float32", "--kv-cache-gib", "0.1", "--http-port", "0",
+         "--metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 180
+    serving = None
     for line in process.stdout:
-        match = re.search(r"serving \S+ on (\S+) \(gRPC\), OpenAI HTTP API on (\S+) ", line)
-        if match:
-            return process, match.group(1), match.group(2)
-        assert time.monotonic() < deadline
+        serving = serving or re.search(
+            r"serving \S+ on (\S+) \(gRPC\), OpenAI HTTP API on (\S+) ", line)
+        if line.startswith("llmserve: metrics at "):
+            metrics = dict(re.findall(r"([\w-]+) (http://[^\s,]+)", line))
+            return process, serving.group(1), serving.group(2), metrics
     raise AssertionError(f"serve exited with {process.wait()} before serving")
+
+
+def _every_dashboard_metric_is_scraped(metrics: dict[str, str]) -> None:
+    """On a server that has served only successful requests, every metric a
+    dashboard query names is there already (an error panel shows 0, not "No
+    data")."""
+    assert set(metrics) == {"frontend", "engine-core", "worker"}
+    scraped = {name for url in metrics.values()
+               for name, _ in scrape(url.removeprefix("http://").removesuffix("/metrics"))}
+    named = {metric for _, expr in dashboard_queries() + variable_queries()
+             for metric in re.findall(r"llmserve:[a-z0-9_]+", expr)}
+    assert named and named <= scraped, sorted(named - scraped)
 
 
 def _wait_gone(pids, timeout_s=20.0):
@@ -54,7 +71,7 @@ def _wait_gone(pids, timeout_s=20.0):
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
 def test_serve_stops_every_service(model_dir, stop_signal):
-    process, address, http_url = _start_serve(model_dir)
+    process, address, http_url, metrics = _start_serve(model_dir)
     try:
         children = _children(process.pid)
         assert len(children) == 3
@@ -62,6 +79,7 @@ def test_serve_stops_every_service(model_dir, stop_signal):
             assert list(client.generate(prompt="Hi", max_tokens=4))[-1].usage.completion_tokens == 4
         with urllib.request.urlopen(f"{http_url}/health", timeout=10) as response:
             assert response.status == 200
+        _every_dashboard_metric_is_scraped(metrics)
         process.send_signal(stop_signal)
         process.wait(timeout=30)
         _wait_gone(children)

@@ -113,7 +113,7 @@ def has_data(result: list[dict]) -> bool:
 
 
 def test_dashboard_queries_name_only_exported_metrics(stack):
-    send_traffic(stack)  # labelled series (finish reasons, error codes) exist once seen
+    """(test_cli_serve checks the same on a server that has seen no error.)"""
     exported = {name for addr in stack.metrics_addresses.values() for name, _ in scrape(addr)}
     for title, expr in dashboard_queries() + variable_queries():
         for metric in re.findall(r"llmserve:[a-z0-9_]+", expr):

@@ -19,7 +19,7 @@ from services.frontend.openai_api.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 # gRPC status -> (HTTP status, OpenAI error type).
-_STATUS = {
+ERROR_STATUSES = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -36,11 +36,11 @@ _STATUS = {
 
 
 def http_status(error: LLMServeError) -> int:
-    return _STATUS.get(error.code, (500, ""))[0]
+    return ERROR_STATUSES.get(error.code, (500, ""))[0]
 
 
 def error_body(error: LLMServeError) -> ErrorResponse:
-    status, kind = _STATUS.get(error.code, (500, "internal_error"))
+    status, kind = ERROR_STATUSES.get(error.code, (500, "internal_error"))
     param = None
     if isinstance(error, InvalidArgument):  # "sampling_params.top_p" is "top_p" here
         param = error.field.removeprefix("sampling_params.")
