@@ -192,8 +192,8 @@ def engine_info_from_proto(pb: engine_core_pb2.EngineInfo) -> EngineInfo:
 def engine_config_to_proto(config: EngineConfig) -> config_pb2.EngineConfig:
     """Each section into the message of the same name, field by field."""
     return config_pb2.EngineConfig(**{
-        section.name: getattr(config_pb2, type(value).__name__)(**dataclasses.asdict(value))
-        for section in dataclasses.fields(config) for value in [getattr(config, section.name)]})
+        name: getattr(config_pb2, type(section).__name__)(**dataclasses.asdict(section))
+        for name, section in vars(config).items()})
 
 
 def engine_config_from_proto(pb: config_pb2.EngineConfig) -> EngineConfig:

@@ -99,14 +99,19 @@ class DeclaredSetting:
         return float(value) if self.type is float else value
 
 
+# A user value's type check, and what the error calls the type. bool is an int
+# to Python, but not a valid number of anything here.
+_TYPES = {
+    bool: (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def _check_type(arg: str, value: Any, expected: type) -> None:
-    ok = (isinstance(value, bool) if expected is bool else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float else
-          isinstance(value, int) and not isinstance(value, bool) if expected is int else
-          isinstance(value, expected))
-    if not ok:
-        noun = {bool: "a bool (True or False)", int: "an int", float: "a number",
-                str: "a string"}[expected]
+    accepts, noun = _TYPES[expected]
+    if not accepts(value):
         raise ValueError(f"{arg} takes {noun}; got {value!r}")
 
 
