@@ -11,7 +11,6 @@ closes (or the engine core dies), and its children are killed with it.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -22,8 +21,9 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from services.common.launcher_link import die_with_parent
+
 _PID = struct.Struct("<q")
-_PR_SET_PDEATHSIG = 1
 
 
 class Zygote:
@@ -106,8 +106,7 @@ def main(ctrl_fd: int, max_threads: int) -> None:
         pid = os.fork()
         if pid == 0:
             ctrl.close()
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != zygote_pid:  # it died before the prctl took effect
+            if not die_with_parent(zygote_pid, signal.SIGKILL):
                 os._exit(1)
             serve_compiles(Connection(fds[0]), info, max_threads)
             os._exit(0)

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from llmserve.client import Client
-from tests.e2e.test_dashboards import dashboard_queries, variable_queries
+from tests.e2e.test_dashboards import dashboard_metrics
 from tests.metrics_scrape import scrape
 
 pytestmark = pytest.mark.e2e
@@ -57,8 +57,7 @@ def _every_dashboard_metric_is_scraped(metrics: dict[str, str]) -> None:
     assert set(metrics) == {"frontend", "engine-core", "worker"}
     scraped = {name for url in metrics.values()
                for name, _ in scrape(url.removeprefix("http://").removesuffix("/metrics"))}
-    named = {metric for _, expr in dashboard_queries() + variable_queries()
-             for metric in re.findall(r"llmserve:[a-z0-9_]+", expr)}
+    named = set(dashboard_metrics())
     assert named and named <= scraped, sorted(named - scraped)
 
 

@@ -42,6 +42,12 @@ def variable_queries() -> list[tuple[str, str]]:
     return queries
 
 
+def dashboard_metrics() -> dict[str, str]:
+    """Every llmserve metric a dashboard query or variable names -> a title naming it."""
+    return {metric: title for title, expr in dashboard_queries() + variable_queries()
+            for metric in re.findall(r"llmserve:[a-z0-9_]+", expr)}
+
+
 def expand(expr: str) -> str:
     for name, value in GRAFANA_VARIABLES.items():
         expr = expr.replace(name, value)
@@ -115,9 +121,8 @@ def has_data(result: list[dict]) -> bool:
 def test_dashboard_queries_name_only_exported_metrics(stack):
     """(test_cli_serve checks the same on a server that has seen no error.)"""
     exported = {name for addr in stack.metrics_addresses.values() for name, _ in scrape(addr)}
-    for title, expr in dashboard_queries() + variable_queries():
-        for metric in re.findall(r"llmserve:[a-z0-9_]+", expr):
-            assert metric in exported, f"{title}: {metric} is not exported"
+    for metric, title in dashboard_metrics().items():
+        assert metric in exported, f"{title}: {metric} is not exported"
 
 
 def test_prometheus_evaluates_every_dashboard_query(stack, prometheus):
