@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -176,7 +177,9 @@ def run_service(log_name: str, default_otel_name: str,
 
 
 def start_process(log_name: str, default_otel_name: str) -> None:
-    """What every service process does first."""
+    """What every service process does first. A crash in native code (gRPC,
+    torch) prints every thread's Python stack to the log before the process dies."""
+    faulthandler.enable()
     die_with_launcher()
     setup_logging(log_name)
     tracing.init_tracing(default_otel_name)

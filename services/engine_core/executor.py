@@ -17,6 +17,10 @@ from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.common.tls import TlsConfig, sync_channel
 
 
+# How long shutdown waits for the step in flight (a step takes milliseconds).
+_SHUTDOWN_STEP_WAIT_S = 10.0
+
+
 class PendingStep:
     """A step sent to the workers: result() waits for rank 0's output, or raises
     the step's error."""
@@ -154,12 +158,15 @@ class GrpcExecutor(Executor):
             config=convert.engine_config_to_proto(config)))
         return convert.loaded_model_from_proto(responses[0])
 
-    def _wait_for_steps_sent(self) -> None:
+    def _wait_for_steps_sent(self, timeout_s: float | None = None) -> None:
         """Adapters change between steps: a step sent under async scheduling may
         still use the one about to go. Workers run steps in order, so the last
         one sent is the one to wait for."""
         for future in self._last_step_sent:
-            future.exception()  # waits; its error is the step's caller's to see
+            try:
+                future.exception(timeout=timeout_s)  # its error is the step's caller's
+            except grpc.FutureTimeoutError:
+                return
 
     def add_lora(self, lora_id, lora_path):
         self._wait_for_steps_sent()
@@ -192,5 +199,10 @@ class GrpcExecutor(Executor):
             lambda: convert.model_runner_output_from_proto(self._responses(futures)[0]))
 
     def shutdown(self):
+        # Not under a step still in flight (async scheduling leaves one when the
+        # engine loop stops): its RPC would be cut in gRPC's threads while this
+        # process exits, the suspect for an engine core that once exited with
+        # SIGSEGV after a cut drain.
+        self._wait_for_steps_sent(_SHUTDOWN_STEP_WAIT_S)
         for channel in self.channels:
             channel.close()
