@@ -112,8 +112,8 @@ def paged_prefill_attention_reference(query, key_cache, value_cache, block_table
         keys, values = (gather_blocks(cache, table)[0, :, :seq_len].to(query.dtype) for cache in
                         (logical_key_cache(key_cache), logical_value_cache(value_cache)))
         # Query t sits at position seq_len - (end - start) + t and sees keys up to it.
-        query_pos = torch.arange(seq_len - (end - start), seq_len)
-        mask = torch.arange(seq_len)[None, :] <= query_pos[:, None]
+        query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
         # 4-D inputs: torch's fused CPU kernel takes those (3-D ones fall back to its
         # math path, at about half the speed), and serves grouped K/V heads itself.
         out[start:end] = F.scaled_dot_product_attention(
@@ -126,7 +126,7 @@ def paged_decode_attention_reference(query, key_cache, value_cache, block_table,
     """The same in plain torch: gather each context, then masked SDPA."""
     keys = gather_blocks(logical_key_cache(key_cache), block_table).to(query.dtype)
     values = gather_blocks(logical_value_cache(value_cache), block_table).to(query.dtype)
-    mask = torch.arange(keys.shape[2]) < seq_lens[:, None]
+    mask = torch.arange(keys.shape[2], device=keys.device) < seq_lens[:, None]
     return F.scaled_dot_product_attention(query.unsqueeze(2), keys, values,
                                           attn_mask=mask[:, None, None, :], scale=scale,
                                           enable_gqa=True).squeeze(2)

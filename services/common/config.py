@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from services.common.setting import CLI, setting
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "flash_attn", "triton_attn")
+DEVICES = ("auto", "cpu", "cuda")
 # Opt-in 16-bit storage for fp32 models ("auto": as the model's dtype).
 STORAGE_DTYPES = ("auto", "bfloat16", "float16")
 
@@ -27,11 +28,13 @@ class ModelConfig:
                         "seed overrides it)", vllm=True)
     attention_backend: str = setting(
         "auto", "cpu_paged: our C++ paged-attention kernels (torch references off the CPU); "
-        "flash_attn: FlashAttention on CUDA; auto: flash_attn on CUDA when it is installed "
-        "and the block size suits it, else cpu_paged", vllm=True, choices=ATTENTION_BACKENDS,
+        "flash_attn: flash-attn 2 on CUDA (16-bit, blocks of a multiple of 256 tokens); "
+        "triton_attn: our Triton FlashAttention kernel on CUDA (any block size, fp32 too); "
+        "auto: flash_attn on CUDA where it is installed and suits the dtype and block size, "
+        "else triton_attn on CUDA, cpu_paged on the CPU", vllm=True, choices=ATTENTION_BACKENDS,
         # torch_sdpa: this backend's old name; the others are vLLM's names.
         value_aliases={"torch_sdpa": "cpu_paged", "CPU_ATTN": "cpu_paged",
-                       "FLASH_ATTN": "flash_attn"})
+                       "FLASH_ATTN": "flash_attn", "TRITON_ATTN": "triton_attn"})
     enforce_eager: bool = setting(False, "CUDA: run every step eagerly, without replaying "
                                   "CUDA graphs for decodes", vllm=True)
     weight_dtype: str = setting(
@@ -91,6 +94,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = setting(1, "worker processes the model is split across",
                                         vllm=True, flag_aliases=("-tp",))
+    device: str = setting("auto", "where the workers run: cuda (rank i on GPU i) or cpu; "
+                          "auto: cuda when torch sees a GPU, else cpu", choices=DEVICES)
     # Not offline: in-process workers form no group.
     distributed_init_method: str = setting(
         "", "where the workers' torch.distributed group meets, tcp://host:port (default: "

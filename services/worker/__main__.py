@@ -27,7 +27,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_port_arg(parser, "--port", 50053, "the Worker gRPC API's port")
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--cpu-cores", type=parse_cores,
                         help="run on these cores, e.g. 0-3 or 0,2 (default: all this process "
                              "may use); workers sharing a machine should not share cores")
@@ -39,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace, runner: MainThreadRunner,
                 stopping: "asyncio.Future[asyncio.Event]") -> None:
-    worker = Worker(rank=args.rank, device=args.device, pinned=args.cpu_cores is not None)
+    worker = Worker(rank=args.rank, pinned=args.cpu_cores is not None)
     # Ready (health of the Worker service) once the engine core has loaded the model.
     servicer = WorkerServicer(worker, run=runner.run, metrics=_metrics(args, worker),
                               on_ready=lambda: server.set_ready())

@@ -44,6 +44,8 @@ class DecodeGraphs:
     def can_run(self, num_tokens: int, max_query_len: int) -> bool:
         return max_query_len == 1 and num_tokens <= self.sizes[-1]
 
+    # As every forward pass here: no autograd (the layers write into views in place).
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Captures one graph per size, largest first so smaller ones reuse its pool."""
         pool = None
@@ -56,6 +58,11 @@ class DecodeGraphs:
                 self.outputs[size] = self.model(self.input_ids[:size], self.positions[:size], meta)
             pool = graph.pool()
             self.graphs[size] = graph
+
+    def release(self) -> None:
+        """Drops the captured graphs and their outputs (their pool goes with them)."""
+        self.graphs.clear()
+        self.outputs.clear()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:

@@ -54,9 +54,10 @@ class ModelRunner:
             self.kv_caches.append(cache)
 
     def profile_peak_memory(self) -> int:
-        """CUDA: peak memory of a forward pass over max_model_len tokens, weights
+        """CUDA: peak memory of a forward pass over (almost) max_model_len tokens, weights
         included, the temporary KV cache it needs excluded."""
-        num_tokens = self.input_batch.max_model_len
+        # One short of max_model_len: the token it samples needs a place in the batch.
+        num_tokens = self.input_batch.max_model_len - 1
         num_blocks = -(-num_tokens // self.block_size)
         self._allocate_kv_cache(num_blocks)
         cache_bytes = num_blocks * self.kv_block_bytes()
@@ -66,11 +67,28 @@ class ModelRunner:
                                          list(range(num_blocks)), 0)],
             num_scheduled_tokens={"profile": num_tokens}))
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        # Reserved, not allocated: the driver sees the allocator's rounding and fragments.
+        peak = torch.cuda.max_memory_reserved(self.device) - cache_bytes
         self.update_states(SchedulerOutput(finished_request_ids=["profile"]))
         self._allocate_kv_cache(0)
         torch.cuda.empty_cache()
-        return peak
+        return peak + self._profile_graph_memory()
+
+    def _profile_graph_memory(self) -> int:
+        """CUDA: the memory the decode graphs will hold, from one trial capture over a
+        one-block cache (captured again over the real cache by init_kv_cache)."""
+        if self.decode_graphs is None or not self.decode_graphs.capture:
+            return 0
+        self._allocate_kv_cache(1)
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self.decode_graphs.capture_all()
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.decode_graphs.release()
+        self._allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        return max(0, used)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

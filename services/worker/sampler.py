@@ -8,6 +8,7 @@ min-p, top-k/top-p and a draw.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,17 @@ class SamplingMetadata:
     # How many top logprobs each row wants; -1 = none.
     num_logprobs: list[int] | None = None
 
+    def to(self, device: torch.device) -> "SamplingMetadata":
+        """The same parameters with every tensor on `device` (the logits')."""
+        def move(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device, non_blocking=True)
+            if isinstance(value, tuple):
+                return tuple(move(v) for v in value)
+            return value
+        return dataclasses.replace(self, **{f.name: move(getattr(self, f.name))
+                                            for f in dataclasses.fields(self)})
+
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
@@ -58,6 +70,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor,
                  meta: SamplingMetadata) -> tuple[torch.Tensor, list[Logprobs | None]]:
         """logits: [B, V] -> token ids [B] and, per row, its logprobs (or None)."""
+        if logits.device.type != "cpu":
+            meta = meta.to(logits.device)  # built on the CPU, from Python lists
         if not meta.argmax_only:
             # Logprobs, bias, penalties and draws run in fp32 (as vLLM's do); an
             # argmax compares 16-bit logits exactly, without a copy of [B, V] fp32.
@@ -93,9 +107,10 @@ def apply_banned_tokens(logits: torch.Tensor,
                         banned: list[tuple[int, list[int]]]) -> torch.Tensor:
     if not banned:
         return logits
-    rows = torch.tensor([row for row, ids in banned for _ in ids], dtype=torch.int64)
-    cols = torch.tensor([t for _, ids in banned for t in ids], dtype=torch.int64)
-    return logits.index_put((rows, cols), torch.tensor(float("-inf")))
+    on = dict(dtype=torch.int64, device=logits.device)
+    rows = torch.tensor([row for row, ids in banned for _ in ids], **on)
+    cols = torch.tensor([t for _, ids in banned for t in ids], **on)
+    return logits.index_put((rows, cols), torch.tensor(float("-inf"), device=logits.device))
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

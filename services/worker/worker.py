@@ -26,16 +26,37 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 256
 
 
-def kv_blocks_for_memory(total_bytes: int, utilization: float, peak_bytes: int,
+def kv_blocks_for_memory(total_bytes: int, utilization: float, used_bytes: int,
                          block_bytes: int) -> int:
-    """KV blocks that fit in total × utilization once weights and activations
-    (peak_bytes, from a profiling run) are in."""
-    budget = int(total_bytes * utilization) - peak_bytes
+    """KV blocks that fit in total × utilization once what the worker needs besides
+    (used_bytes: weights, peak activations of a profiling run, CUDA's own) is in."""
+    budget = int(total_bytes * utilization) - used_bytes
     if budget < block_bytes:
-        raise ValueError(f"no GPU memory left for the KV cache: {peak_bytes / 2**30:.2f} GiB "
+        raise ValueError(f"no GPU memory left for the KV cache: {used_bytes / 2**30:.2f} GiB "
                          f"used of a {total_bytes * utilization / 2**30:.2f} GiB budget; "
                          "raise --gpu-memory-utilization or use a smaller model")
     return budget // block_bytes
+
+
+@dataclass
+class CudaMemory:
+    """GPU memory at one moment: free on the device, and held by torch's allocator."""
+
+    device: torch.device
+    free: int
+    torch_reserved: int
+
+    @classmethod
+    def now(cls, device: torch.device) -> "CudaMemory":
+        torch.cuda.synchronize(device)
+        return cls(device, torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device))
+
+    def used_since(self, torch_peak: int) -> int:
+        """Bytes this process took since this moment, with torch's memory at its
+        `torch_peak` (reserved bytes, from a profiling run)."""
+        now = CudaMemory.now(self.device)
+        outside_torch = (self.free - now.free) - (now.torch_reserved - self.torch_reserved)
+        return max(0, outside_torch) + torch_peak - self.torch_reserved
 
 
 @dataclass
@@ -53,10 +74,26 @@ class WorkerDescription:
     kv_cache_bytes: int = 0
 
 
+def resolve_device(device: str, rank: int) -> torch.device:
+    """ParallelConfig.device for this rank: on CUDA, rank i runs on GPU i."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise FailedPrecondition("--device cuda: torch sees no CUDA GPU on this worker's machine "
+                                 f"(torch {torch.__version__}); use --device cpu")
+    if rank >= torch.cuda.device_count():
+        raise FailedPrecondition(f"worker rank {rank} needs GPU {rank}, but this machine has "
+                                 f"{torch.cuda.device_count()}")
+    return torch.device("cuda", rank)
+
+
 class Worker:
-    def __init__(self, rank: int = 0, device: str = "cpu", pinned: bool = False):
+    def __init__(self, rank: int = 0, pinned: bool = False):
         self.rank = rank
-        self.device = torch.device(device)
+        # Known once load_model has the config (ParallelConfig.device).
+        self.device = torch.device("cpu")
         # Pinned to its own cores (and thread count) by whoever started it.
         self.pinned = pinned
         self.model_runner: ModelRunner | None = None
@@ -68,6 +105,10 @@ class Worker:
         parallel_config, lora_config = config.parallel, config.lora
         # The same seed on every rank: all ranks draw the same tokens.
         torch.manual_seed(model_config.seed)
+        self.device = resolve_device(parallel_config.device, self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._cuda_start = CudaMemory.now(self.device)
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
                               parallel_config.distributed_init_method, self.device)
         if tp.size > 1 and self.device.type == "cpu" and not self.pinned:
@@ -78,12 +119,12 @@ class Worker:
         weight_dtype, kv_dtype = resolve_storage_dtypes(dtype, model_config.weight_dtype,
                                                         cache_config.kv_cache_dtype)
         backend = make_attention_backend(model_config.attention_backend, self.device,
-                                         cache_config.block_size)
+                                         cache_config.block_size, kv_dtype)
         model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp,
                            backend)
         graphs = None
         # LoRA deltas depend on per-step slot tensors the graphs would not see.
-        if self.device.type == "cuda" and backend.name == "flash_attn" \
+        if self.device.type == "cuda" and backend.graph_safe \
                 and not model_config.enforce_eager and not lora_config.enable_lora:
             graphs = DecodeGraphs(model, MAX_GRAPH_BATCH, model_config.max_model_len,
                                   cache_config.block_size, self.device, capture=True)
@@ -98,8 +139,8 @@ class Worker:
         self.description = WorkerDescription(
             self.rank, tp.size, str(self.device), _name(dtype), _name(weight_dtype or dtype),
             _name(kv_dtype), backend.name)
-        logger.info("worker %d: %s, %s attention, linears: %s, KV cache %s, CUDA graphs %s",
-                    self.rank, dtype, backend.name, linears, kv_dtype,
+        logger.info("worker %d on %s: %s, %s attention, linears: %s, KV cache %s, CUDA graphs "
+                    "%s", self.rank, self.device, dtype, backend.name, linears, kv_dtype,
                     "on" if graphs else "off")
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=_name(dtype),
                            kv_block_bytes=self.model_runner.kv_block_bytes())
@@ -111,8 +152,11 @@ class Worker:
         if self.device.type != "cuda":
             return self.cache_config.kv_cache_bytes // block_bytes
         peak = self.model_runner.profile_peak_memory()
+        # As vLLM counts it: what this worker took since load_model began, torch's peak
+        # and memory outside torch's allocator (CUDA context, cuBLAS, NCCL) alike.
+        used = self._cuda_start.used_since(peak)
         total = torch.cuda.mem_get_info(self.device)[1]
-        return kv_blocks_for_memory(total, self.cache_config.gpu_memory_utilization, peak,
+        return kv_blocks_for_memory(total, self.cache_config.gpu_memory_utilization, used,
                                     block_bytes)
 
     def init_kv_cache(self, num_blocks: int) -> None:

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 from services.worker.attention import AttentionMetadata, CpuPagedBackend  # noqa: E402
 from tests.references.flash_attn import flash_attn_varlen_func_reference  # noqa: E402
+from tests.references.paged_attention_cases import build_metadata  # noqa: E402
 from tests.references.paged_kv_store import store_kv_cache_reference  # noqa: E402
 
 try:
@@ -171,36 +172,6 @@ def test_backend_without_flash_attn_says_how_to_get_it():
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-def build_metadata(requests: list[tuple[int, int]], block_ids: list[list[int]],
-                   block_size: int) -> AttentionMetadata:
-    """AttentionMetadata as ModelRunner.prepare_inputs builds it for these requests."""
-    slots, seq_lens, query_start_loc = [], [], [0]
-    for (num_computed, num_new), blocks in zip(requests, block_ids):
-        pos = np.arange(num_computed, num_computed + num_new)
-        slots.append(np.asarray(blocks)[pos // block_size] * block_size + pos % block_size)
-        seq_lens.append(num_computed + num_new)
-        query_start_loc.append(query_start_loc[-1] + num_new)
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    block_table = np.zeros((len(requests), max_blocks), dtype=np.int64)
-    for i, blocks in enumerate(block_ids):
-        block_table[i, :len(blocks[:max_blocks])] = blocks[:max_blocks]
-    query_lens = np.diff(query_start_loc)
-    decode_idx = np.flatnonzero(query_lens == 1)
-    return AttentionMetadata(
-        query_start_loc=query_start_loc, seq_lens=seq_lens,
-        query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
-        max_query_len=int(query_lens.max()), max_seq_len=max(seq_lens),
-        block_table=torch.from_numpy(block_table),
-        slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        block_size=block_size,
-        decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_idx],
-                                          dtype=torch.int64),
-        decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64),
-        decode_block_table=torch.from_numpy(block_table[decode_idx]),
-        prefill_request_indices=np.flatnonzero(query_lens > 1).tolist())
-
 
 def _random_block_ids(requests: list[tuple[int, int]], gen: torch.Generator) -> list[list[int]]:
     """Disjoint blocks in scrambled order, as many as each request's tokens need."""

@@ -15,32 +15,49 @@ logger = logging.getLogger(__name__)
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 
 
-def make_attention_backend(name: str, device: torch.device, block_size: int):
-    """The backend `name` picks (ModelConfig.attention_backend): "auto" is
-    flash_attn on CUDA when flash-attn is installed and the block size suits it,
-    cpu_paged otherwise."""
+def make_attention_backend(name: str, device: torch.device, block_size: int,
+                           dtype: torch.dtype):
+    """The backend `name` picks (ModelConfig.attention_backend) for a KV cache of `dtype`."""
     if name == "auto":
-        name = _auto_backend(device, block_size)
+        name = _auto_backend(device, block_size, dtype)
     if name == "cpu_paged":
         return CpuPagedBackend()
+    if device.type != "cuda":
+        raise ValueError(f"the {name} backend runs on CUDA only; use cpu_paged")
+    if name == "triton_attn":
+        from services.worker.attention.flash_attn import TritonAttentionBackend
+        return TritonAttentionBackend()
     if name == "flash_attn":
-        if device.type != "cuda":
-            raise ValueError("the flash_attn backend runs on CUDA only; use cpu_paged")
-        if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
-            raise ValueError(f"flash-attn needs a KV block size that is a multiple of "
-                             f"{FLASH_ATTN_BLOCK_MULTIPLE} (got {block_size}): pass "
-                             f"--block-size {FLASH_ATTN_BLOCK_MULTIPLE}")
+        _check_flash_attn_fits(block_size, dtype)
         from services.worker.attention.flash_attn import FlashAttentionBackend
         return FlashAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu_paged or flash_attn")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of "
+                     f"auto, cpu_paged, flash_attn, triton_attn")
 
 
-def _auto_backend(device: torch.device, block_size: int) -> str:
-    usable = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-    if usable and block_size % FLASH_ATTN_BLOCK_MULTIPLE:
-        logger.warning("flash-attn needs --block-size %d; using cpu_paged",
-                       FLASH_ATTN_BLOCK_MULTIPLE)
-    return "flash_attn" if usable and not block_size % FLASH_ATTN_BLOCK_MULTIPLE else "cpu_paged"
+def _check_flash_attn_fits(block_size: int, dtype: torch.dtype) -> None:
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+        raise ValueError(f"flash-attn needs a KV block size that is a multiple of "
+                         f"{FLASH_ATTN_BLOCK_MULTIPLE} (got {block_size}): pass --block-size "
+                         f"{FLASH_ATTN_BLOCK_MULTIPLE}, or use --attention-backend triton_attn")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"flash-attn takes fp16 and bf16 only (got {dtype}): pass --dtype "
+                         f"bfloat16, or use --attention-backend triton_attn")
+
+
+def _auto_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> str:
+    """flash_attn on CUDA where it is installed and fits, else triton_attn; cpu_paged on the
+    CPU."""
+    if device.type != "cuda":
+        return "cpu_paged"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "triton_attn"
+    try:
+        _check_flash_attn_fits(block_size, dtype)
+    except ValueError as e:
+        logger.info("%s; using triton_attn", e)
+        return "triton_attn"
+    return "flash_attn"
 
 
 __all__ = ["AttentionMetadata", "CpuPagedBackend", "make_attention_backend"]

@@ -15,6 +15,7 @@ from services.worker.attention.metadata import AttentionMetadata
 
 class CpuPagedBackend:
     name = "cpu_paged"
+    graph_safe = False
 
     def __init__(self):
         cpu_ops_available()  # build the CPU kernels at start-up, not on the first request

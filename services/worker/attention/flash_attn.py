@@ -1,4 +1,4 @@
-"""FlashAttention over the paged KV cache (the CUDA backend).
+"""FlashAttention over the paged KV cache (the CUDA backends: flash_attn and triton_attn).
 
 Each step writes the new K/V with our Triton kernel, then makes one flash_attn_varlen_func
 call for the whole mixed batch (decodes, prefills, prefill chunks after cached context):
@@ -40,6 +40,8 @@ class FlashAttentionBackend:
     """Attention with flash-attn's varlen kernel, reading K/V from the paged cache."""
 
     name = "flash_attn"
+    # Tensors only, no host reads: CUDA graphs can capture its decode steps.
+    graph_safe = True
 
     def __init__(self, varlen_fn: VarlenFn | None = None):
         self._varlen_fn = load_flash_attn_varlen() if varlen_fn is None else varlen_fn
@@ -72,6 +74,17 @@ class FlashAttentionBackend:
             # flash-attn takes int32 only; the runner keeps int64 for torch indexing.
             block_table=meta.block_table.to(torch.int32),
         )
+
+
+class TritonAttentionBackend(FlashAttentionBackend):
+    """The same steps with our Triton FlashAttention kernel
+    (kernels/triton_flash_attention.py): any block size, fp32 as well as 16 bits."""
+
+    name = "triton_attn"
+
+    def __init__(self):
+        from kernels.triton_flash_attention import flash_attn_varlen_func
+        super().__init__(flash_attn_varlen_func)
 
 
 def cumulative_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
