@@ -15,7 +15,7 @@ PORT ?= 50051
 # image (deploy/k8s/Dockerfile) installs none, or cuda (flash-attn).
 EXTRAS ?= test
 
-.PHONY: setup protos model servers run test bench clean
+.PHONY: setup protos model servers run test bench clean test-gpu gpu-bundle
 
 setup: $(INSTALLED) $(PB_STAMP) model
 
@@ -60,6 +60,18 @@ test: setup servers
 # `make bench BENCH_ARGS=--quick` passes flags on (see `python -m bench --help`).
 bench: setup
 	$(PY) -m bench $(BENCH_ARGS)
+
+# The GPU suite (tests/gpu/README.md). On this machine, `make gpu-bundle` makes the parts to
+# carry; on a bare NVIDIA machine, after tests/gpu/receive.py has unpacked them,
+# `make test-gpu` runs it with the machine's own python3, torch and CUDA, and no network.
+GPU_BUNDLE ?= /var/tmp/llmserve-gpu/bundle
+GPU_REPORT ?= gpu-report.md
+
+gpu-bundle: setup
+	$(PY) -m tests.gpu.bundle
+
+test-gpu:
+	$(PYTHON) -m tests.gpu.run --bundle $(GPU_BUNDLE) --report $(GPU_REPORT) $(GPU_ARGS)
 
 clean:
 	rm -rf $(PB_DIR) build *.egg-info
