@@ -55,7 +55,8 @@ class ModelRunner:
 
     def profile_peak_memory(self) -> int:
         """CUDA: peak memory of a forward pass over (almost) max_model_len tokens, weights
-        included, the temporary KV cache it needs excluded."""
+        included, the temporary KV cache it needs excluded; plus what the decode graphs
+        will hold."""
         # One short of max_model_len: the token it samples needs a place in the batch.
         num_tokens = self.input_batch.max_model_len - 1
         num_blocks = -(-num_tokens // self.block_size)
