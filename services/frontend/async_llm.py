@@ -105,8 +105,10 @@ class AsyncLLM:
         span = _tracer.start_span("frontend.request", context=options.trace_context,
                                   attributes=self._span_attributes(request_id, params, options))
         state, outcome = None, "cancelled"
-        # The span stays current throughout: the engine call carries its context.
         try:
+            # Current only until the first yield: a streamed HTTP response resumes this
+            # generator in other contexts, where detaching it would fail. The engine
+            # requests carry the span's context in their trace headers.
             with trace.use_span(span, end_on_exit=False):
                 lora = self.loras.get(options.lora_name)
                 prompt_ids = await self.tokenize(prompt)
@@ -116,8 +118,8 @@ class AsyncLLM:
                 state = self.output_processor.add_request(
                     request_id, prompt.prompt, prompt_ids, params,
                     [r.request_id for r in engine_requests], arrival_time)
-                async for output in self._outputs(engine_requests):
-                    yield output
+            async for output in self._outputs(engine_requests, span):
+                yield output
             outcome = ",".join(str(c.finish_reason) for c in state.choices)
         except LLMServeError as e:
             outcome = f"failed ({e.code.name})"
@@ -133,13 +135,15 @@ class AsyncLLM:
         if engine_ids:
             await self.engine.abort(engine_ids)
 
-    async def _outputs(self, requests: list[EngineCoreRequest]) -> AsyncIterator[GenerationOutput]:
+    async def _outputs(self, requests: list[EngineCoreRequest],
+                       span: trace.Span) -> AsyncIterator[GenerationOutput]:
         """The choices' engine streams merged and run through the output processor.
         One choice failing ends them all (the others would have nobody reading)."""
         async for _, engine_output in merge([self.engine.generate(r) for r in requests]):
             processed = self.output_processor.process_outputs([engine_output])
             if processed.engine_ids_to_abort:
-                await self.engine.abort(processed.engine_ids_to_abort)
+                with trace.use_span(span, end_on_exit=False):  # no yield inside
+                    await self.engine.abort(processed.engine_ids_to_abort)
             for output in processed.outputs:
                 yield output
 

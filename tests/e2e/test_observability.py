@@ -56,6 +56,36 @@ def test_one_trace_across_three_services_with_the_request_phases(stack, otlp):
     assert all(s.trace_id != trace_id for s in steps)  # their own traces, linked
 
 
+def test_streamed_http_request_is_traced_like_grpc_and_logs_no_error(stack, otlp):
+    """The caller's traceparent parents the frontend's span, which parents the engine
+    core's, as over gRPC; and the frontend logs nothing at ERROR (it once logged "Failed
+    to detach context" for every streamed HTTP response)."""
+    trace_id, caller_span = f"{random.getrandbits(128):032x}", f"{random.getrandbits(64):016x}"
+    log_path = next(s.log_path for s in stack.services if s.name == "frontend")
+    log_start = log_path.stat().st_size  # other tests' lines are theirs
+    for stream in (True, False):
+        response = requests.post(
+            f"http://{stack.http_address}/v1/completions",
+            headers={"traceparent": f"00-{trace_id}-{caller_span}-01"}, stream=stream,
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "Trace me over HTTP",
+                  "max_tokens": 3, "stream": stream}, timeout=60)
+        assert response.status_code == 200
+        assert response.text.rstrip().endswith("[DONE]") == stream
+
+    def named(name: str) -> list:
+        return [s for s in otlp.spans_of_trace(trace_id) if s.name == name]
+    wait_until(lambda: len(named("frontend.request")) == len(named("engine_core.request")) == 2,
+               what="both requests' frontend and engine core spans")
+    frontends, engines = named("frontend.request"), named("engine_core.request")
+    assert all(f.parent_span_id == caller_span for f in frontends)
+    assert {e.parent_span_id for e in engines} == {f.span_id for f in frontends}
+    wait_all_blocks_free(stack)
+    with open(log_path) as log:
+        log.seek(log_start)
+        written = log.read()
+    assert " ERROR " not in written and "Failed to detach" not in written, written[-3000:]
+
+
 def test_metrics_count_what_was_sent_and_gauges_return_to_zero(stack, otlp):
     ports = stack.metrics_addresses
     frontend_http = stack.http_address
