@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
-import pytest
 import torch
+
+# Without CUDA, Triton kernels run in Triton's interpreter. It has to be on before anything
+# imports triton (torch._dynamo does, by way of transformers and peft): triton's own
+# standard library (tl.zeros, tl.max, ...) is compiled or interpreted as it is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from services.common.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig,
                                     SchedulerConfig, StructuredOutputsConfig)
