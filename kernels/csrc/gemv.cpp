@@ -20,45 +20,30 @@ using llmserve::vf16;
 
 constexpr int kMaxRows = 8;
 
-// Independent sums per row along K, so the multiply-adds pipeline: as many as
-// fit in the vector registers beside the weights they multiply (a vf16 is one
-// 512-bit register, or two 256-bit ones on AVX2, where 16 registers hold 8 vf16).
-// Four everywhere spilled on AVX2 (4 rows x 4 sums = 32 registers' worth).
-template <int M>
-constexpr int sums_per_row() {
-#if defined(__AVX512F__)
-  return 4;
-#else
-  return M == 1 ? 3 : M == 2 ? 2 : 1;
-#endif
-}
-
 // out[m][n] for every row m of x and one weight row n, walking the weight row
-// once, front to back (one sequential stream for the prefetchers), with S
-// independent sums per row.
-template <typename w_t, int M, int S = sums_per_row<M>()>
+// once, front to back (one sequential stream for the prefetchers), with four
+// independent sums along K so the multiply-adds pipeline.
+template <typename w_t, int M>
 inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N) {
-  vf16 acc[M][S] = {};
+  vf16 acc[M][4] = {};
   int64_t k = 0;
-  for (; k + 16 * S <= K; k += 16 * S) {
-    vf16 w[S];
-    for (int s = 0; s < S; ++s) w[s] = load16(wrow + k + 16 * s);
-    for (int m = 0; m < M; ++m)
-      for (int s = 0; s < S; ++s) acc[m][s] += load16(x + m * K + k + 16 * s) * w[s];
+  for (; k + 64 <= K; k += 64) {
+    const vf16 w0 = load16(wrow + k), w1 = load16(wrow + k + 16);
+    const vf16 w2 = load16(wrow + k + 32), w3 = load16(wrow + k + 48);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + k;
+      acc[m][0] += load16(xm) * w0;
+      acc[m][1] += load16(xm + 16) * w1;
+      acc[m][2] += load16(xm + 32) * w2;
+      acc[m][3] += load16(xm + 48) * w3;
+    }
   }
   for (; k < K; k += 16) {
     const vf16 w0 = load16(wrow + k);
     for (int m = 0; m < M; ++m) acc[m][0] += load16(x + m * K + k) * w0;
   }
-  for (int m = 0; m < M; ++m) {
-    vf16 total = acc[m][0];
-    if constexpr (S == 4) {  // pairwise, as before S varied: the same bits on AVX-512
-      total = (acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]);
-    } else {
-      for (int s = 1; s < S; ++s) total += acc[m][s];
-    }
-    out[m * N] = llmserve::sum16(total);
-  }
+  for (int m = 0; m < M; ++m)
+    out[m * N] = llmserve::sum16((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));
 }
 
 template <typename w_t, int M>
