@@ -6,6 +6,7 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
   single streams (one or two rows);
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
   of the weights for up to GEMV_MAX_ROWS rows, the fp32 path above;
+- on CPUs without AVX-512, our GEMV for one row only (gemv_rows);
 - fp32 on Intel CPUs: MKL prepacked; on other CPUs: oneDNN prepacked, our GEMV
   for single streams (MKL runs generic code paths there);
 - otherwise F.linear.
@@ -21,7 +22,7 @@ from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
 from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_ONEDNN_ROWS, GemvForFewRows,
-                                             with_gemv)
+                                             gemv_rows, with_gemv)
 from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
 from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 from services.worker.cpu_matmul.strategy import FLinear, MatmulStrategy
@@ -42,7 +43,7 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
     # The name says what was built: with_gemv decides per layer.
     on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
     if path == "oneDNN prepacked" and any(on_gemv):
-        path += f", our GEMV for <= {GEMV_OVER_ONEDNN_ROWS} rows"
+        path += f", our GEMV for <= {gemv_rows(GEMV_OVER_ONEDNN_ROWS)} rows"
         if not all(on_gemv):
             path += " where the input width is a multiple of 16"
     return path
@@ -56,7 +57,7 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
     if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
         name = str(weight_dtype).removeprefix("torch.")
         return (lambda weight: sixteen_bit_weights(weight, weight_dtype),
-                f"{name} weights for <= {GEMV_MAX_ROWS} rows")
+                f"{name} weights for <= {gemv_rows(GEMV_MAX_ROWS)} rows")
     if dtype == torch.float32 and fp32_path() != "F.linear":
         return fp32_weights, fp32_path()
     return None, "F.linear"
@@ -68,12 +69,12 @@ def _amx_or_onednn(weight: torch.Tensor) -> MatmulStrategy:
 
 def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
     """oneDNN-prepacked W, read by our GEMV at up to GEMV_OVER_ONEDNN_ROWS rows."""
-    return with_gemv(weight, GEMV_OVER_ONEDNN_ROWS, OneDNNWeights(weight))
+    return with_gemv(weight, gemv_rows(GEMV_OVER_ONEDNN_ROWS), OneDNNWeights(weight))
 
 
 def sixteen_bit_weights(weight: torch.Tensor, weight_dtype: torch.dtype) -> MatmulStrategy:
     """x W^T for fp32 activations, reading a 16-bit copy of W for few rows."""
-    return with_gemv(weight.to(weight_dtype), GEMV_MAX_ROWS, fp32_weights(weight))
+    return with_gemv(weight.to(weight_dtype), gemv_rows(GEMV_MAX_ROWS), fp32_weights(weight))
 
 
 def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:

@@ -6,12 +6,22 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_build import cpu_ops_available
+from services.worker.cpu_info import cpu_flags
 from services.worker.cpu_matmul.strategy import MatmulStrategy
 
 # Up to this many rows, a step reads weights faster than it multiplies them.
 GEMV_MAX_ROWS = 8
 # Up to this many rows our GEMV beats oneDNN's prepacked weights (bench/NOTES.md).
 GEMV_OVER_ONEDNN_ROWS = 2
+# Without AVX-512 its 16-float vectors take two registers each, and built so it lost to
+# oneDNN's fp32 path from two rows on, with 16-bit weights too (bench/NOTES.md): one row.
+GEMV_ROWS_WITHOUT_AVX512 = 1
+
+
+def gemv_rows(limit: int) -> int:
+    """How many rows our GEMV takes on this CPU where `limit` is what it takes with
+    AVX-512 (the kernels build for the host's own vector width)."""
+    return limit if "avx512f" in cpu_flags() else min(limit, GEMV_ROWS_WITHOUT_AVX512)
 
 
 class GemvForFewRows:
