@@ -22,7 +22,8 @@ from bench.report import to_markdown, write_results
 from bench.settings import Settings
 
 QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64, single_stream_runs=1,
-             concurrency="1,8", baseline_b1_requests=2, large_requests=64,
+             concurrency="1,8", http_concurrency="1,8", baseline_b1_requests=2,
+             large_requests=64,
              accuracy_prompts=8, accuracy_len=32)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -65,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                    help="single-stream runs whose median is reported, each system")
     p.add_argument("--concurrency", type=_int_list, default=",".join(map(str, d.concurrency)),
                    help="closed-loop client counts, comma-separated (default: %(default)s)")
+    p.add_argument("--http-concurrency", type=_int_list,
+                   default=",".join(map(str, d.http_concurrency)),
+                   help="levels of the HTTP comparison with vLLM's server and client")
     p.add_argument("--serving-requests", type=int, default=d.serving_requests,
                    help="requests per concurrency level (default: max(concurrency, 4))")
     p.add_argument("--request-rate", type=float, default=d.request_rate,
@@ -84,6 +88,10 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
     """The flags that leave phases out, and where things go."""
     p.add_argument("--skip-offline", action="store_true", help="no offline or single-stream run")
     p.add_argument("--skip-serving", action="store_true", help="no gRPC stack")
+    p.add_argument("--skip-http", action="store_true",
+                   help="no HTTP comparison (it needs vLLM's venv: --skip-vllm skips it too)")
+    p.add_argument("--http-only", action="store_true",
+                   help="only the HTTP comparison: vLLM's server, then llmserve's HTTP and gRPC")
     p.add_argument("--skip-observability", action="store_true",
                    help="no served run with tracing and metrics on against off")
     p.add_argument("--skip-structured-outputs", action="store_true",

