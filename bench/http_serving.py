@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -69,7 +70,7 @@ def vllm_server(env: VllmEnv, s: Settings, model_dir: str, log: Path) -> Iterato
     with tempfile.TemporaryDirectory(prefix="llmserve-bench-vllm-") as tmp, log.open("w") as out:
         # cwd=tmp and -I: the repo's `kernels/` would shadow vLLM's package of that name.
         proc = subprocess.Popen(vllm_server_argv(env, s, model_dir, port), cwd=tmp,
-                                env=runtime_env(env, kv_cache_gib=round(s.kv_cache_gib)),
+                                env=runtime_env(env, kv_cache_gib=math.ceil(s.kv_cache_gib)),
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:

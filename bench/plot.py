@@ -33,12 +33,16 @@ def _panel(ax, section: dict, title: str, ylabel: str, keys, scale: float) -> No
 def draw_http_serving(section: dict, path: Path, subtitle: str) -> Path:
     """Writes the PNG; matplotlib's Figure without pyplot: no global state, no display."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
 
     fig = Figure(figsize=(15, 4.6), layout="constrained")
     axes = fig.subplots(1, len(PANELS))
     for ax, (title, ylabel, keys, scale) in zip(axes, PANELS):
         _panel(ax, section, title, ylabel, keys, scale)
     axes[-1].set_yscale("log")
+    # Plain numbers on the log axis (matplotlib would write 10^2 and 2x10^2).
+    axes[-1].yaxis.set_major_formatter(ScalarFormatter())
+    axes[-1].yaxis.set_minor_formatter(ScalarFormatter())
     fig.suptitle(f"Served against served, vLLM's benchmark client: {subtitle}")
     fig.savefig(path, dpi=100)
     return path
