@@ -21,6 +21,7 @@ import grpc
 from services.common import convert
 from services.common.grpc_options import CHANNEL_OPTIONS
 from services.common.pb import inference_pb2, inference_pb2_grpc
+from services.common.pooling_params import PoolingParams
 from services.common.sampling_params import OutputKind, SamplingParams
 
 
@@ -43,6 +44,17 @@ def build_generate_request(prompt: str | None = None, *, chat: list[dict] | None
     if token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     return request
+
+
+def build_embed_request(inputs: list[str | list[int]], pooling: PoolingParams | None = None,
+                        request_id: str | None = None, priority: int = 0,
+                        lora_name: str | None = None) -> inference_pb2.EmbedRequest:
+    return inference_pb2.EmbedRequest(
+        inputs=[inference_pb2.EmbedInput(prompt=x) if isinstance(x, str) else
+                inference_pb2.EmbedInput(token_ids=inference_pb2.TokenIds(ids=x))
+                for x in inputs],
+        pooling_params=convert.pooling_params_to_proto(pooling), request_id=request_id,
+        priority=priority, lora_name=lora_name)
 
 
 def _tokenize_request(prompt: str | None, chat: list[dict] | None) -> inference_pb2.TokenizeRequest:
@@ -84,6 +96,14 @@ class Client:
         `.cancel()` on it aborts the request."""
         return self.stub.Generate(build_generate_request(prompt, **kwargs), timeout=timeout,
                                   metadata=self.metadata)
+
+    def embed(self, inputs: list[str | list[int]], pooling: PoolingParams | None = None,
+              **kwargs) -> list[list[float]]:
+        """One vector per input (a text or token ids), in order; kwargs: request_id,
+        priority, lora_name."""
+        response = self.stub.Embed(build_embed_request(inputs, pooling, **kwargs),
+                                   metadata=self.metadata)
+        return [list(e.embedding) for e in response.embeddings]
 
     def tokenize(self, prompt: str | None = None, *, chat: list[dict] | None = None) -> list[int]:
         return list(self.stub.Tokenize(_tokenize_request(prompt, chat),
@@ -137,6 +157,12 @@ class AsyncClient:
                 yield response
         finally:
             call.cancel()
+
+    async def embed(self, inputs: list[str | list[int]], pooling: PoolingParams | None = None,
+                    **kwargs) -> list[list[float]]:
+        response = await self.stub.Embed(build_embed_request(inputs, pooling, **kwargs),
+                                         metadata=self.metadata)
+        return [list(e.embedding) for e in response.embeddings]
 
     async def tokenize(self, prompt: str | None = None, *,
                        chat: list[dict] | None = None) -> list[int]:

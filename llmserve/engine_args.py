@@ -44,8 +44,30 @@ class EngineArgs(_EngineArgsFields):
     __doc__ = _EngineArgsFields.__doc__
 
     def __init__(self, *args, **kwargs):
+        if "pooler_config" in kwargs:  # one of TRANSLATED_ARGS
+            kwargs.update(pooler_settings(kwargs.pop("pooler_config")))
         check_engine_arg_names(kwargs)
         super().__init__(*args, **kwargs)
+
+
+# vLLM arguments EngineArgs takes and turns into settings of other names.
+TRANSLATED_ARGS = frozenset({"pooler_config"})
+# vLLM's PoolerConfig fields -> the settings that hold them here.
+_POOLER_FIELDS = {"pooling_type": "pooling_type", "normalize": "pooling_normalize"}
+
+
+def pooler_settings(pooler_config) -> dict:
+    """vLLM's `pooler_config` (a dict, or an object with its fields) as llmserve's
+    pooling_type and pooling_normalize settings; a field llmserve lacks is refused."""
+    if pooler_config is None:
+        return {}
+    fields = pooler_config if isinstance(pooler_config, dict) else {
+        k: v for k, v in vars(pooler_config).items() if v is not None}
+    unknown = sorted(set(fields) - set(_POOLER_FIELDS))
+    if unknown:
+        raise ValueError(f"pooler_config: llmserve supports {sorted(_POOLER_FIELDS)}, not "
+                         f"{unknown}")
+    return {_POOLER_FIELDS[k]: v for k, v in fields.items()}
 
 
 def check_engine_arg_names(kwargs: dict) -> None:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+
+import torch
 from typing import Iterable
 
 from services.common.config import EngineConfig
 from services.common.errors import AlreadyExists
 from services.common.lora import LoRARequest
 from services.common.model_store import resolve_model
+from services.common.pooling_params import PoolingParams, truncate_prompt
+from services.common.request_types import EngineCoreOutput, EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
 from services.engine_core.engine_core import EngineCore
@@ -19,6 +23,7 @@ from services.frontend.processor import Processor
 from services.worker.worker import Worker
 from llmserve.engine_args import EngineArgs
 from llmserve.outputs import RequestOutput, to_request_output
+from llmserve.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from llmserve.prompts import PromptType, input_kwargs, prompt_text
 
 
@@ -41,17 +46,23 @@ class LLMEngine:
         self.tokenizer, eos_token_ids = load_tokenizer(self.engine_core.info.model_path)
         self.processor = Processor(self.tokenizer, self.engine_core.info, eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Pooling requests in flight -> their prompt ids (no detokenizing, one output).
+        self._pooling: dict[str, list[int]] = {}
 
     def get_tokenizer(self):
         return self.tokenizer
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
-        """Queues a request. Raises InvalidArgument naming a bad field, and adds
-        nothing then: with n > 1, either every choice is queued or none."""
-        if request_id in self.output_processor.requests:
+                    params: SamplingParams | PoolingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queues a request: generation with SamplingParams, pooling with
+        PoolingParams. Raises InvalidArgument naming a bad field, and adds nothing
+        then: with n > 1, either every choice is queued or none."""
+        if request_id in self.output_processor.requests or request_id in self._pooling:
             raise AlreadyExists(f"request_id {request_id!r} is still running")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, priority, lora_request)
         params = params or SamplingParams()
         prompt_ids = self.processor.tokenize(**input_kwargs(prompt))
         engine_requests = self.processor.make_requests(request_id, prompt_ids, params, {},
@@ -69,19 +80,43 @@ class LLMEngine:
         self.output_processor.add_request(request_id, prompt_text(prompt), prompt_ids, params,
                                           added, arrival)
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; what it changed, per request (see SamplingParams.output_kind)."""
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                             priority: int, lora_request: LoRARequest | None) -> None:
+        """A prefill-only request; the engine core resolves and checks its params."""
+        prompt_ids = truncate_prompt(self.processor.tokenize(**input_kwargs(prompt)), params,
+                                     self.engine_core.info.max_model_len)
+        self.engine_core.add_request(EngineCoreRequest(
+            request_id, prompt_ids, SamplingParams(max_tokens=1), priority=priority,
+            lora_request=lora_request, pooling_params=params))
+        self._pooling[request_id] = prompt_ids
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """One engine step; what it changed, per request (see SamplingParams.output_kind):
+        RequestOutputs, and a PoolingRequestOutput for each pooling request it finished."""
+        outputs = self.engine_core.step()
+        pooled = [self._pooling_output(o) for o in outputs if o.request_id in self._pooling]
+        processed = self.output_processor.process_outputs(
+            [o for o in outputs if o.request_id not in self._pooling])
         if processed.engine_ids_to_abort:
             self.engine_core.abort_requests(processed.engine_ids_to_abort)
-        return [to_request_output(o) for o in processed.outputs]
+        return [to_request_output(o) for o in processed.outputs] + pooled
+
+    def _pooling_output(self, output: EngineCoreOutput) -> PoolingRequestOutput:
+        prompt_ids = self._pooling.pop(output.request_id)
+        data = torch.tensor(output.pooled if output.pooled is not None else [],
+                            dtype=torch.float32)
+        return PoolingRequestOutput(output.request_id, PoolingOutput(data), prompt_ids,
+                                    finished=True, num_cached_tokens=output.num_cached_tokens)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self._pooling.pop(request_id, None) is not None:
+                self.engine_core.abort_requests([request_id])
+                continue
             self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return bool(self._pooling) or self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.output_processor.get_num_unfinished_requests()
+        return len(self._pooling) + self.output_processor.get_num_unfinished_requests()

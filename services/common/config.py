@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.pooling_params import POOLING_TYPES
 from services.common.setting import CLI, setting
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -11,6 +12,7 @@ ATTENTION_BACKENDS = ("auto", "cpu_paged", "flash_attn", "triton_attn")
 DEVICES = ("auto", "cpu", "cuda")
 # Opt-in 16-bit storage for fp32 models ("auto": as the model's dtype).
 STORAGE_DTYPES = ("auto", "bfloat16", "float16")
+RUNNERS = ("generate", "pooling")
 
 
 @dataclass
@@ -41,6 +43,18 @@ class ModelConfig:
         "auto", "fp32 models on CPUs without bf16 units: also keep the weights in 16 bits, "
         "read so by decodes of a few sequences (faster, slightly different outputs; opt-in); "
         "auto: as dtype", choices=STORAGE_DTYPES, value_aliases={"": "auto"})
+    runner: str = setting(
+        "generate", "what the model is served for: generate (Generate, /v1/completions, "
+        "/v1/chat/completions, LLM.generate and chat) or pooling (Embed, /v1/embeddings, "
+        "/v1/score, LLM.embed, encode and score: an embedding model); the engine itself "
+        "runs both kinds of request (LLMEngine)", vllm=True, choices=RUNNERS)
+    pooling_type: str = setting(
+        "LAST", "how a pooling request's last-layer hidden states become one vector: LAST "
+        "(the last prompt token's, as decoder embedding models pool), MEAN or CLS (the first "
+        "token's); vLLM's pooler_config pooling_type", choices=POOLING_TYPES)
+    pooling_normalize: bool = setting(
+        True, "scale pooled vectors to length 1 unless a request says otherwise; vLLM's "
+        "pooler_config normalize")
 
 
 @dataclass

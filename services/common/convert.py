@@ -13,6 +13,7 @@ from services.common.errors import (InvalidArgument, LLMServeError, error_with_s
 from services.common.lora import LoRARequest
 from services.common.pb import common_pb2, config_pb2, engine_core_pb2, worker_pb2
 from services.common.request_events import RequestEvent, RequestEventKind
+from services.common.pooling_params import PoolingParams
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats, FinishReason, LoadedModel, Logprobs)
 from services.common.sampling_params import OutputKind, SamplingParams
@@ -104,6 +105,24 @@ def logprobs_from_proto(pb: common_pb2.Logprobs) -> Logprobs:
                     top_token_ids=list(pb.top_token_ids), top_logprobs=list(pb.top_logprobs))
 
 
+def pooling_params_to_proto(p: PoolingParams | None) -> common_pb2.PoolingParams | None:
+    if p is None:
+        return None
+    return common_pb2.PoolingParams(dimensions=p.dimensions, normalize=p.normalize,
+                                    truncate_prompt_tokens=p.truncate_prompt_tokens,
+                                    pooling_type=p.pooling_type)
+
+
+def pooling_params_from_proto(message, field: str) -> PoolingParams | None:
+    """The PoolingParams in message.<field>, or None when it is not set."""
+    if not message.HasField(field):
+        return None
+    pb = getattr(message, field)
+    return PoolingParams(**{f: getattr(pb, f) if pb.HasField(f) else None
+                            for f in ("dimensions", "normalize", "truncate_prompt_tokens",
+                                      "pooling_type")})
+
+
 # ---- engine core -------------------------------------------------------------------
 
 def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.EngineCoreRequest:
@@ -112,7 +131,8 @@ def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.Engine
         sampling_params=sampling_params_to_proto(r.sampling_params),
         eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers, priority=r.priority,
         queue_slots=r.queue_slots, output_token_ids=r.output_token_ids,
-        lora=lora_to_proto(r.lora_request) if r.lora_request else None)
+        lora=lora_to_proto(r.lora_request) if r.lora_request else None,
+        pooling_params=pooling_params_to_proto(r.pooling_params))
 
 
 def lora_to_proto(lora: LoRARequest) -> engine_core_pb2.LoRAAdapter:
@@ -133,7 +153,8 @@ def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> Eng
                              queue_slots=max(1, pb.queue_slots),
                              output_token_ids=list(pb.output_token_ids),
                              lora_request=lora_from_proto(pb.lora) if pb.HasField("lora")
-                             else None)
+                             else None,
+                             pooling_params=pooling_params_from_proto(pb, "pooling_params"))
 
 
 def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
@@ -143,7 +164,8 @@ def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCo
         new_logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs],
         prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs],
         events=[engine_core_pb2.RequestEvent(kind=int(e.kind), time_unix_nano=e.time_ns,
-                                             num_tokens=e.num_tokens) for e in o.events])
+                                             num_tokens=e.num_tokens) for e in o.events],
+        pooled=o.pooled)
     if o.finish_reason is not None:
         pb.finish_reason = int(o.finish_reason)
     return pb
@@ -156,7 +178,8 @@ def engine_core_output_from_proto(pb: engine_core_pb2.EngineCoreOutput) -> Engin
                             new_logprobs=[logprobs_from_proto(p) for p in pb.new_logprobs],
                             prompt_logprobs=[logprobs_from_proto(p) for p in pb.prompt_logprobs],
                             events=[RequestEvent(RequestEventKind(e.kind), e.time_unix_nano,
-                                                 e.num_tokens) for e in pb.events])
+                                                 e.num_tokens) for e in pb.events],
+                            pooled=list(pb.pooled) if pb.pooled else None)
 
 
 def request_error_to_proto(request_id: str,
@@ -208,7 +231,8 @@ def loaded_model_to_proto(m: LoadedModel) -> worker_pb2.LoadModelResponse:
 
 
 def loaded_model_from_proto(pb: worker_pb2.LoadModelResponse) -> LoadedModel:
-    return LoadedModel(vocab_size=pb.vocab_size, dtype=pb.dtype, kv_block_bytes=pb.kv_block_bytes)
+    return LoadedModel(vocab_size=pb.vocab_size, dtype=pb.dtype, kv_block_bytes=pb.kv_block_bytes,
+                       hidden_size=pb.hidden_size)
 
 
 def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput:
@@ -219,7 +243,8 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             sampling_params=sampling_params_to_proto(r.sampling_params),
             block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
             trace_headers=r.trace_headers, eos_token_ids=r.eos_token_ids,
-            num_prompt_tokens=r.num_prompt_tokens, lora_id=r.lora_id) for r in so.new_requests],
+            num_prompt_tokens=r.num_prompt_tokens, lora_id=r.lora_id,
+            pooling_params=pooling_params_to_proto(r.pooling_params)) for r in so.new_requests],
         cached_requests=[worker_pb2.CachedRequestData(
             request_id=r.request_id, new_block_ids=r.new_block_ids,
             num_computed_tokens=r.num_computed_tokens) for r in so.cached_requests],
@@ -236,7 +261,9 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
             sampling_params=sampling_params_from_proto(r.sampling_params),
             block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens,
             trace_headers=dict(r.trace_headers), eos_token_ids=list(r.eos_token_ids),
-            num_prompt_tokens=r.num_prompt_tokens, lora_id=r.lora_id) for r in pb.new_requests],
+            num_prompt_tokens=r.num_prompt_tokens, lora_id=r.lora_id,
+            pooling_params=pooling_params_from_proto(r, "pooling_params"))
+            for r in pb.new_requests],
         cached_requests=[CachedRequestData(
             request_id=r.request_id, new_block_ids=list(r.new_block_ids),
             num_computed_tokens=r.num_computed_tokens) for r in pb.cached_requests],
@@ -248,10 +275,11 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
 
 def model_runner_output_to_proto(o: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
     outputs = []
-    for request_id in {**o.sampled_token_ids, **o.prompt_logprobs}:
+    for request_id in {**o.sampled_token_ids, **o.prompt_logprobs, **o.pooled}:
         pb = worker_pb2.RequestStepOutput(
             request_id=request_id,
-            prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs.get(request_id, [])])
+            prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs.get(request_id, [])],
+            pooled=o.pooled.get(request_id))
         if request_id in o.sampled_token_ids:
             pb.sampled_token_id = o.sampled_token_ids[request_id]
         if request_id in o.logprobs:
@@ -270,4 +298,6 @@ def model_runner_output_from_proto(pb: worker_pb2.ModelRunnerOutput) -> ModelRun
         if r.prompt_logprobs:
             output.prompt_logprobs[r.request_id] = [logprobs_from_proto(p)
                                                     for p in r.prompt_logprobs]
+        if r.pooled:
+            output.pooled[r.request_id] = list(r.pooled)
     return output

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.common.lora import LoRARequest
+from services.common.pooling_params import PoolingParams
 from services.common.request_events import RequestEvent
 from services.common.sampling_params import SamplingParams
 
@@ -53,6 +54,9 @@ class EngineCoreRequest:
     output_token_ids: list[int] = field(default_factory=list)
     # The LoRA adapter to run with (added to the engine core on first use); None: the base model.
     lora_request: LoRARequest | None = None
+    # A pooling request (pooling_type resolved): prefill only, its output one vector.
+    # Its sampling_params are unused.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -70,6 +74,8 @@ class EngineCoreOutput:
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
     # The request's lifecycle in the engine core: on its last output only.
     events: list[RequestEvent] = field(default_factory=list)
+    # A pooling request's vector, on its only (finished) output.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -103,6 +109,8 @@ class EngineInfo:
     num_kv_blocks: int
     dtype: str
     vocab_size: int
+    hidden_size: int = 0  # values in a pooled vector (before `dimensions`)
+    runner: str = "generate"  # what the served APIs offer: generate, or pooling (embed)
 
 
 @dataclass
@@ -112,3 +120,4 @@ class LoadedModel:
     vocab_size: int
     dtype: str  # "auto" resolved, e.g. "float32"
     kv_block_bytes: int  # bytes one KV block takes across all layers
+    hidden_size: int = 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.common.pooling_params import PoolingParams
 from services.common.request_types import Logprobs
 from services.common.sampling_params import SamplingParams
 
@@ -31,6 +32,8 @@ class NewRequestData:
     num_prompt_tokens: int | None = None
     # The LoRA adapter it runs with (loaded into the workers beforehand); 0: none.
     lora_id: int = 0
+    # A pooling request: the workers pool its prompt's hidden states, sample nothing.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens is None:
@@ -84,3 +87,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # Pooling requests whose prompt this step finished: their vectors.
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -84,6 +84,8 @@ _INSTEAD = {
     "disable_log_stats": "the offline LLM logs no statistics",
     "enable_chunked_prefill": "prefills are always chunked (max_num_batched_tokens)",
     "quantization": "weight_dtype keeps fp32 models' weights in 16 bits",
+    "pooler_config": "--pooling-type and --pooling-normalize (LLM and EngineArgs take "
+                     "pooler_config)",
 }
 
 

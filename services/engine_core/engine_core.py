@@ -4,6 +4,7 @@ output is applied."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ class EngineCore:
         self.info = EngineInfo(model_path=config.model.model,
                                max_model_len=config.model.max_model_len,
                                block_size=config.cache.block_size, num_kv_blocks=num_blocks,
-                               dtype=loaded.dtype, vocab_size=loaded.vocab_size)
+                               dtype=loaded.dtype, vocab_size=loaded.vocab_size,
+                               hidden_size=loaded.hidden_size, runner=config.model.runner)
         self.grammar_compiler = GrammarCompiler(config.model.model, loaded.vocab_size,
                                                 config.structured_outputs.compile_timeout_s)
         self.num_scheduled_tokens_last_step = 0
@@ -73,6 +75,8 @@ class EngineCore:
         compiled it already (the engine loop does, off its thread)."""
         params = request.sampling_params
         params.validate(self.info.vocab_size)
+        if request.pooling_params is not None:
+            request = self._resolve_pooling(request)
         if any(not 0 <= t < self.info.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument("prompt_token_ids",
                                   f"ids must be in [0, {self.info.vocab_size})")
@@ -83,6 +87,14 @@ class EngineCore:
             compiled = compiled_grammar or self.grammar_compiler.compile(params.structured_outputs)
             grammar = RequestGrammar(compiled, request.eos_token_ids, request.output_token_ids)
         self.scheduler.add_request(Request.from_engine_core_request(request, grammar))
+
+    def _resolve_pooling(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """The model's pooler (ModelConfig.pooling_type, pooling_normalize) fills in
+        what the request left out; then its params are checked."""
+        model = self.config.model
+        pooling = request.pooling_params.resolved(model.pooling_type, model.pooling_normalize)
+        pooling.validate(self.info.hidden_size)
+        return dataclasses.replace(request, pooling_params=pooling)
 
     def add_lora(self, lora: LoRARequest) -> None:
         self.loras.add(lora)

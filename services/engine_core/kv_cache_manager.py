@@ -39,9 +39,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached blocks that prefixes the request, and the
         number of tokens it covers. The last token is always left to compute:
-        its logits are needed to sample."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position.
+        its logits are needed to sample (or its hidden state, to pool)."""
+        if not self.enable_prefix_caching or request.needs_every_prompt_position:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

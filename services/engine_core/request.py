@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.common.request_events import RequestEvent, RequestEventKind
+from services.common.pooling_params import PoolingParams
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class Request:
     grammar: RequestGrammar | None = None
     # Its LoRA adapter's id; 0: the base model.
     lora_id: int = 0
+    # A pooling request: prefill only, finished with its pooled vector.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -70,7 +73,16 @@ class Request:
                    trace_headers=dict(request.trace_headers), priority=request.priority,
                    queue_slots=request.queue_slots,
                    output_token_ids=list(request.output_token_ids),
-                   lora_id=request.lora_request.lora_int_id if request.lora_request else 0)
+                   lora_id=request.lora_request.lora_int_id if request.lora_request else 0,
+                   pooling_params=request.pooling_params)
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Prompt logprobs need the logits of every prompt position, MEAN pooling the
+        hidden state of each and CLS the first's: no prefix cache hit may skip them."""
+        pooling = self.pooling_params
+        return (self.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and pooling.pooling_type != "LAST"))
 
     @property
     def num_tokens(self) -> int:

@@ -56,7 +56,12 @@ class Scheduler:
             raise request_id_in_use(request.request_id)
         if request.num_prompt_tokens == 0:
             raise InvalidArgument("prompt", "is empty")
-        if request.num_tokens >= self.max_model_len:
+        if request.pooling_params is not None:  # prefill only: the prompt may fill it
+            if request.num_tokens > self.max_model_len:
+                raise InvalidArgument("prompt", f"has {request.num_tokens} tokens; max_model_len "
+                                      f"is {self.max_model_len} (truncate_prompt_tokens keeps "
+                                      "the last ones)")
+        elif request.num_tokens >= self.max_model_len:
             raise InvalidArgument(
                 "prompt", f"has {request.num_tokens} tokens (with those already generated); "
                 f"max_model_len is {self.max_model_len}, which must leave room for at least "
@@ -125,7 +130,8 @@ class Scheduler:
             if num_new != 1 or request.num_uncomputed_tokens != 1:
                 request.record(Event.PREFILL_CHUNK, num_new)  # not a decode
             request.num_computed_tokens += num_new
-            if request.num_uncomputed_tokens == 0:  # it samples this step
+            if request.num_uncomputed_tokens == 0 and request.pooling_params is None:
+                # It samples this step (a pooling request's step pools instead).
                 if request.grammar is not None:  # the tokens its grammar allows next
                     output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
                 request.num_output_placeholders += 1
@@ -232,7 +238,8 @@ class Scheduler:
             trace_headers=request.trace_headers,
             eos_token_ids=[] if request.sampling_params.ignore_eos
             else sorted(request.eos_token_ids),
-            num_prompt_tokens=request.num_prompt_tokens, lora_id=request.lora_id))
+            num_prompt_tokens=request.num_prompt_tokens, lora_id=request.lora_id,
+            pooling_params=request.pooling_params))
         output.num_scheduled_tokens[request.request_id] = num_new
         return True
 
@@ -248,6 +255,11 @@ class Scheduler:
             # Aborted or finished since; or, with async scheduling, finished and
             # followed by a new request under the same id.
             if request is None or request.first_step_id > scheduler_output.step_id:
+                continue
+            pooled = runner_output.pooled.get(request_id)
+            if pooled is not None:  # its prompt is computed: a pooling request is done
+                outputs.append(self._finish_pooled(request, pooled))
+                finished = True
                 continue
             token_id = runner_output.sampled_token_ids.get(request_id)
             prompt_logprobs = self._new_prompt_logprobs(
@@ -279,6 +291,14 @@ class Scheduler:
         return outputs
 
     # ---- internals -------------------------------------------------------------
+
+    def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """A pooling request ends with its vector and no token; its blocks are freed now."""
+        if request.status is RequestStatus.PREEMPTED:  # while its last step was in flight
+            self._dequeue(request)
+        self._finish(request, FinishReason.STOP)
+        return EngineCoreOutput(request.request_id, [], FinishReason.STOP,
+                                request.num_cached_tokens, events=request.events, pooled=pooled)
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, start: int, num_scheduled: int,

@@ -17,8 +17,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.common import tracing
-from services.common.errors import (InvalidArgument, LLMServeError, Unavailable,
-                                    request_id_in_use)
+from services.common.errors import (FailedPrecondition, InvalidArgument, LLMServeError,
+                                    Unavailable, request_id_in_use)
+from services.common.pooling_params import PoolingParams, truncate_prompt
 from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.frontend.async_merge import merge
@@ -26,6 +27,7 @@ from services.frontend.engine_client import EngineClient
 from services.frontend.lora_adapters import LoRAAdapters
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.output_processor import GenerationOutput, OutputProcessor, RequestState
+from services.frontend.pooling import Embedding, check_embed_inputs, pool_all
 from services.frontend.processor import ChatMessage, Processor
 
 logger = logging.getLogger(__name__)
@@ -94,13 +96,8 @@ class AsyncLLM:
         """The request's outputs as they come; leaving early aborts it in the engine.
         Raises LLMServeError subclasses (InvalidArgument, ResourceExhausted, ...)."""
         options = options or RequestOptions()
-        if self.draining:
-            raise Unavailable("this server is shutting down; send the request to another one")
-        if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument("request_id", f"must have 1 to {MAX_REQUEST_ID_CHARS} characters")
-        if request_id in self._live_request_ids:
-            raise request_id_in_use(request_id)
-        self._live_request_ids.add(request_id)
+        self._check_runner("generate")
+        self._reserve(request_id)
         arrival_time = time.monotonic()
         span = _tracer.start_span("frontend.request", context=options.trace_context,
                                   attributes=self._span_attributes(request_id, params, options))
@@ -128,6 +125,70 @@ class AsyncLLM:
             self._live_request_ids.discard(request_id)
             self.output_processor.abort_request(request_id)  # forgets it if still there
             self._record(span, request_id, state, outcome)
+
+    def _check_runner(self, wanted: str) -> None:
+        """vLLM's rule: a model is served for generation or for embeddings (--runner)."""
+        runner = self.processor.engine_info.runner
+        if runner == wanted:
+            return
+        if runner == "pooling":
+            raise FailedPrecondition(
+                f"this server runs {self.model_name} as an embedding model (--runner pooling): "
+                "it embeds (Embed, POST /v1/embeddings, /v1/score) and does not generate")
+        raise FailedPrecondition(
+            f"this server runs {self.model_name} for generation (--runner generate); a server "
+            "started with --runner pooling embeds")
+
+    def _reserve(self, request_id: str) -> None:
+        """Takes the id for a new request, or says why it cannot start."""
+        if self.draining:
+            raise Unavailable("this server is shutting down; send the request to another one")
+        if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument("request_id", f"must have 1 to {MAX_REQUEST_ID_CHARS} characters")
+        if request_id in self._live_request_ids:
+            raise request_id_in_use(request_id)
+        self._live_request_ids.add(request_id)
+
+    async def embed(self, inputs: list[PromptInput], params: PoolingParams, request_id: str,
+                    options: RequestOptions | None = None) -> list[Embedding]:
+        """One vector per input, in the inputs' order: a pooling request each (prefill
+        only), all in the engine at once; one failing cancels the others."""
+        options = options or RequestOptions()
+        self._check_runner("pooling")
+        self._reserve(request_id)
+        span = _tracer.start_span("frontend.embed", context=options.trace_context, attributes={
+            "gen_ai.request.id": request_id, "gen_ai.operation.name": "embeddings",
+            "gen_ai.request.model": self.model_name, **options.attributes})
+        start, outcome, results = time.monotonic(), "cancelled", []
+        try:
+            with trace.use_span(span, end_on_exit=False):  # no yield inside: no detach issue
+                requests = await self._pooling_requests(inputs, params, request_id, options)
+                results = await pool_all(self.engine, requests)
+            outcome = "embedded"
+            return results
+        except LLMServeError as e:
+            outcome = f"failed ({e.code.name})"
+            raise
+        finally:
+            self._live_request_ids.discard(request_id)
+            num_prompt = sum(r.num_prompt_tokens for r in results)
+            span.set_attribute("gen_ai.usage.input_tokens", num_prompt)
+            span.end()
+            logger.info("request %s %s: %d inputs, %d prompt tokens, e2e %.3f s", request_id,
+                        outcome, len(inputs), num_prompt, time.monotonic() - start)
+
+    async def _pooling_requests(self, inputs: list[PromptInput], params: PoolingParams,
+                                request_id: str, options: RequestOptions
+                                ) -> list[EngineCoreRequest]:
+        check_embed_inputs(inputs)
+        lora = self.loras.get(options.lora_name)
+        max_len = self.processor.engine_info.max_model_len
+        ids = [truncate_prompt(await self.tokenize(p), params, max_len) for p in inputs]
+        return [EngineCoreRequest(
+            request_id if len(ids) == 1 else f"{request_id}-{i}", prompt_ids,
+            SamplingParams(max_tokens=1), trace_headers=tracing.current_trace_headers(),
+            priority=options.priority, lora_request=lora, pooling_params=params)
+            for i, prompt_ids in enumerate(ids)]
 
     async def abort(self, request_id: str) -> None:
         """Aborts a running request in the engine (its stream then ends)."""

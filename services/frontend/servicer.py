@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from services.common import convert, tracing
+from services.common.pooling_params import PoolingParams
 from services.common.pb import inference_pb2, inference_pb2_grpc
 from services.frontend.async_llm import AsyncLLM, PromptInput, RequestOptions
 from services.frontend.processor import ChatMessage
@@ -25,6 +26,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async for output in self.llm.generate(_input_of(request), params, request_id, options):
             for response in generate_responses(output):
                 yield response
+
+    async def Embed(self, request, context):
+        request_id = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        params = convert.pooling_params_from_proto(request, "pooling_params") or PoolingParams()
+        options = RequestOptions(
+            priority=request.priority,
+            lora_name=request.lora_name if request.HasField("lora_name") else None,
+            trace_context=tracing.context_from_metadata(context.invocation_metadata()))
+        embeddings = await self.llm.embed([_input_of(i) for i in request.inputs], params,
+                                          request_id, options)
+        return inference_pb2.EmbedResponse(
+            request_id=request_id, prompt_tokens=sum(e.num_prompt_tokens for e in embeddings),
+            embeddings=[inference_pb2.Embedding(embedding=e.vector,
+                                                prompt_tokens=e.num_prompt_tokens)
+                        for e in embeddings])
 
     async def Tokenize(self, request, context):
         ids = await self.llm.tokenize(_input_of(request))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.common.pooling_params import PoolingParams
 from services.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionMetadata
@@ -28,6 +29,10 @@ class RequestState:
     generator: torch.Generator | None
     span: object = field(default=None, repr=False)  # the request's span in this worker
     lora_id: int = 0  # its LoRA adapter; 0: none
+    # A pooling request's params, and its pooler's state across prefill chunks
+    # (MEAN: the sum so far; CLS: the first position's hidden state).
+    pooling_params: PoolingParams | None = None
+    pooled: torch.Tensor | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -39,8 +44,11 @@ class StepInputs:
     rows: np.ndarray  # their rows in the InputBatch
     query_start_loc: np.ndarray  # [B + 1]
     starts: np.ndarray  # num_computed_tokens of each before this step
-    # Requests whose prompt is done after this step sample from their last position.
+    # Requests whose prompt is done after this step sample from their last position
+    # (pooling requests pool instead: see pooling and prompt_done).
     sampling: np.ndarray  # [B] bool
+    pooling: np.ndarray  # [B] bool: pooling requests
+    prompt_done: np.ndarray  # [B] bool: every prompt token computed after this step
 
     @property
     def logits_indices(self) -> torch.Tensor:
@@ -158,9 +166,13 @@ class InputBatch:
             decode_block_table=to(self.block_table[rows[decode_idx], :_blocks_for(
                 seq_lens[decode_idx], bs)]),
             prefill_request_indices=np.flatnonzero(num_new > 1).tolist())
+        prompt_done = seq_lens >= self.num_tokens[rows]
+        pooling = np.fromiter((self.states[r].pooling_params is not None for r in rows),
+                              dtype=bool, count=len(rows))
         return StepInputs(input_ids=to(input_ids), positions=to(positions), attn_metadata=meta,
                           request_ids=request_ids, rows=rows, query_start_loc=query_start_loc,
-                          starts=starts, sampling=seq_lens >= self.num_tokens[rows])
+                          starts=starts, sampling=prompt_done & ~pooling, pooling=pooling,
+                          prompt_done=prompt_done)
 
 
 def _blocks_for(seq_lens: np.ndarray, block_size: int) -> int:

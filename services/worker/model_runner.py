@@ -12,6 +12,7 @@ from services.worker.grammar_bitmask import apply_grammar_bitmasks
 from services.worker.lora.manager import LoRAManager
 from services.worker.input_batch import (InputBatch, RequestState, StepInputs,
                                          build_sampling_metadata)
+from services.worker.pooler import pool_step
 from services.worker.sampler import Sampler, gather_logprobs
 
 _tracer = tracing.tracer(__name__)
@@ -103,6 +104,8 @@ class ModelRunner:
                                np.diff(step.query_start_loc).tolist())
         hidden = self._forward(step)
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(step, hidden))
+        if step.pooling.any():
+            output.pooled = pool_step(self.input_batch, step, hidden)
         rows = step.rows[step.sampling]
         if len(rows):
             logits = self.model.compute_logits(hidden[step.logits_indices])
@@ -136,7 +139,7 @@ class ModelRunner:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
             batch.add(new, RequestState(new.request_id, new.sampling_params, new.eos_token_ids,
-                                        generator, span, new.lora_id))
+                                        generator, span, new.lora_id, new.pooling_params))
         for cached in so.cached_requests:
             batch.append_blocks(cached.request_id, cached.new_block_ids)
             batch.set_num_computed(cached.request_id, cached.num_computed_tokens)

@@ -143,7 +143,8 @@ class Worker:
                     "%s", self.rank, self.device, dtype, backend.name, linears, kv_dtype,
                     "on" if graphs else "off")
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=_name(dtype),
-                           kv_block_bytes=self.model_runner.kv_block_bytes())
+                           kv_block_bytes=self.model_runner.kv_block_bytes(),
+                           hidden_size=model.config.hidden_size)
 
     def determine_num_kv_blocks(self) -> int:
         """CPU: the configured KV cache size. CUDA: what the memory budget leaves after

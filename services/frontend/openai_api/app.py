@@ -15,6 +15,7 @@ from services.common.auth import authorized
 from services.common.errors import LLMServeError, NotFound, Unauthenticated, Unavailable
 from services.frontend.async_llm import AsyncLLM, PromptInput, RequestOptions
 from services.frontend.openai_api import convert as C
+from services.frontend.openai_api import embeddings as E
 from services.frontend.openai_api import protocol as P
 from services.frontend.openai_api.chat import ChatCompletions
 from services.frontend.openai_api.completions import Completions
@@ -80,6 +81,7 @@ def build_app(llm: AsyncLLM, api_key: str = "") -> FastAPI:
             return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     _add_tokenizer_routes(app, llm)
+    _add_pooling_routes(app, llm)
     _add_lora_routes(app, llm)
     _publish_served_model(app, llm.model_name)
     return app
@@ -131,6 +133,19 @@ def _add_tokenizer_routes(app: FastAPI, llm: AsyncLLM) -> None:
     async def detokenize(body: P.DetokenizeRequest) -> P.DetokenizeResponse:
         _check_model(llm, body.model)
         return P.DetokenizeResponse(prompt=llm.processor.detokenize(body.tokens))
+
+
+def _add_pooling_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    """Embeddings (OpenAI's route) and scores (vLLM's), beside generation on one server."""
+    @app.post("/v1/embeddings", response_model=E.EmbeddingResponse, responses=_ERRORS)
+    async def create_embeddings(body: E.EmbeddingRequest, request: Request):
+        lora_name = _check_model(llm, body.model)
+        return await E.create_embeddings(llm, body, _options(request, body.user, lora_name))
+
+    @app.post("/v1/score", response_model=E.ScoreResponse, responses=_ERRORS)
+    async def create_scores(body: E.ScoreRequest, request: Request):
+        lora_name = _check_model(llm, body.model)
+        return await E.create_scores(llm, body, _options(request, body.user, lora_name))
 
 
 def _add_lora_routes(app: FastAPI, llm: AsyncLLM) -> None:
