@@ -267,7 +267,10 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
         cached_requests=[CachedRequestData(
             request_id=r.request_id, new_block_ids=list(r.new_block_ids),
             num_computed_tokens=r.num_computed_tokens) for r in pb.cached_requests],
-        num_scheduled_tokens=dict(pb.num_scheduled_tokens),
+        # Sorted: a proto map's iteration order depends on the process (upb seeds
+        # its hash with an address), and tensor-parallel ranks must lay the step's
+        # tokens out in one order, or the all-reduce adds up different tokens.
+        num_scheduled_tokens=dict(sorted(pb.num_scheduled_tokens.items())),
         finished_request_ids=list(pb.finished_request_ids),
         grammar_bitmasks={r: np.frombuffer(m, dtype="<i4").astype(np.int32)
                           for r, m in pb.grammar_bitmasks.items()})

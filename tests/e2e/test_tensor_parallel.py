@@ -2,6 +2,7 @@
 
 The default model's 9 attention heads cannot be split in two, so this uses a tiny
 random Llama (4 heads, 2 KV heads) with the default model's tokenizer."""
+import concurrent.futures
 import shutil
 from pathlib import Path
 
@@ -44,10 +45,16 @@ def greedy_outputs(model: str, tp: int, log_dir: Path, lora_dir: str = "",
         stack.start(timeout_s=180)
         assert sum(s.name.startswith("worker") for s in stack.services) == tp
         with Client(address(stack, "frontend")) as client:
-            outputs = [[t for r in client.generate(p, max_tokens=16, temperature=0,
+            def greedy(prompt, name=None):
+                return [t for r in client.generate(prompt, max_tokens=16, temperature=0,
                                                    ignore_eos=True, lora_name=name)
                         for t in r.token_ids]
+            outputs = [greedy(p, name)
                        for name in ([None, lora_name] if lora_name else [None]) for p in PROMPTS]
+            # All at once too: steps of several requests, whose tokens every rank
+            # must lay out in the same order.
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                assert list(pool.map(greedy, PROMPTS)) == outputs[:len(PROMPTS)]
         wait_all_blocks_free(stack)
     return outputs
 
@@ -94,3 +101,33 @@ def test_one_rank_killed_resets_the_group_and_loses_nothing(tiny_model_dir, tmp_
         assert tokens == undisturbed and len(tokens) == 300
         assert all(r.process.pid != pid for r, pid in zip(ranks, pids))  # both restarted
         wait_all_blocks_free(stack)
+
+
+def test_tp2_embeddings_equal_transformers(tiny_model_dir, tokenizer, tmp_path):
+    """Pooling with the layers split across two ranks (MEAN, unnormalized: the raw
+    hidden states), against transformers' hidden states of the same tiny model."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.common.pooling_params import PoolingParams
+
+    config = EngineConfig(model=ModelConfig(model=tiny_model_dir, dtype="float32",
+                                            max_model_len=512, runner="pooling",
+                                            pooling_type="MEAN", pooling_normalize=False),
+                          cache=CacheConfig(kv_cache_bytes=16 << 20),
+                          parallel=ParallelConfig(tensor_parallel_size=2))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    with LocalStack(config, port=0, log_dir=str(tmp_path)) as stack:
+        stack.start(timeout_s=180)
+        with Client(address(stack, "frontend")) as client:
+            vectors = client.embed(prompts) + client.embed(prompts[:1], PoolingParams(
+                pooling_type="LAST"))
+        wait_all_blocks_free(stack)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = [hf.model(torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
+    expected = [h.mean(0) for h in hidden] + [hidden[0][-1]]
+    for got, want in zip(vectors, expected):
+        np.testing.assert_allclose(got, want.numpy(), atol=2e-4 * float(want.abs().max()),
+                                   rtol=1e-3)
