@@ -164,6 +164,9 @@ class AsyncLLM:
             with trace.use_span(span, end_on_exit=False):  # no yield inside: no detach issue
                 requests = await self._pooling_requests(inputs, params, request_id, options)
                 results = await pool_all(self.engine, requests)
+            if self.metrics is not None:
+                for embedding in results:
+                    self.metrics.on_pooled(embedding.num_prompt_tokens, time.monotonic() - start)
             outcome = "embedded"
             return results
         except LLMServeError as e:

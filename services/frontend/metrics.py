@@ -15,6 +15,7 @@ from services.frontend.openai_api.errors import ERROR_STATUSES
 _ERROR_CODES = {
     "grpc": sorted({code.name for code in ERROR_STATUSES} | {"INTERNAL"}),
     "http": sorted({str(status) for status, _ in ERROR_STATUSES.values()} | {"500"})}
+TASKS = ("generate", "embed")
 # vLLM's buckets, in seconds.
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -60,6 +61,10 @@ class FrontendMetrics:
         self._success = metrics.counter(
             "llmserve:request_success", "Finished requests (each of n choices counts).",
             ["model_name", "finished_reason"])
+        self._by_task = metrics.counter(
+            "llmserve:request_success_by_task", "Finished requests by task: generate (each "
+            "of n choices counts) or embed (each input of an embedding call counts).",
+            ["model_name", "task"])
         self._errors = metrics.counter(
             "llmserve:request_errors", "Requests that ended with an error status: the gRPC "
             "code name, or the HTTP status.", ["model_name", "api", "code"])
@@ -72,6 +77,8 @@ class FrontendMetrics:
         (Prometheus' advice on missing series; vLLM does it too)."""
         for reason in FinishReason:
             self._success.labels(**self._model, finished_reason=str(reason))
+        for task in TASKS:
+            self._by_task.labels(**self._model, task=task)
         for api, codes in _ERROR_CODES.items():
             for code in codes:
                 self._errors.labels(**self._model, api=api, code=code)
@@ -93,6 +100,14 @@ class FrontendMetrics:
         self.prompt_length.observe(num_prompt_tokens)
         self.generation_length.observe(len(choice.token_ids))
         self._success.labels(**self._model, finished_reason=str(choice.finish_reason)).inc()
+        self._by_task.labels(**self._model, task="generate").inc()
+
+    def on_pooled(self, num_prompt_tokens: int, e2e_s: float) -> None:
+        """One input of an embedding call got its vector."""
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_length.observe(num_prompt_tokens)
+        self._by_task.labels(**self._model, task="embed").inc()
 
     def on_engine_events(self, events: list[RequestEvent]) -> None:
         """An engine request ended; its events date its phases."""

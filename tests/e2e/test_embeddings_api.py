@@ -16,6 +16,7 @@ from llmserve.launcher import LocalStack
 from services.common.config import CacheConfig, EngineConfig, ModelConfig
 from services.common.pooling_params import PoolingParams
 from tests.e2e.conftest import address, wait_all_blocks_free
+from tests.metrics_scrape import scrape, value
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,7 +29,7 @@ def pooling_stack(tmp_path_factory, model_dir):
     config = EngineConfig(model=ModelConfig(model=model_dir, dtype="float32", max_model_len=512,
                                             runner="pooling"),
                           cache=CacheConfig(kv_cache_bytes=64 << 20))
-    with LocalStack(config, port=0, http_port=0,
+    with LocalStack(config, port=0, http_port=0, metrics_port=0,
                     log_dir=str(tmp_path_factory.mktemp("pooling"))) as stack:
         stack.start(timeout_s=240)
         yield stack
@@ -124,3 +125,20 @@ def test_each_runner_refuses_the_other_task(pooling_stack, stack):
                               json={"model": MODEL, "input": "Hello"})
     assert embedding.status_code == 400
     assert "--runner pooling" in embedding.json()["error"]["message"]
+
+
+def test_metrics_count_embeddings_by_task(pooling_stack, tokenizer):
+    metrics = pooling_stack.metrics_addresses["frontend"]
+    before = scrape(metrics)
+    with Client(address(pooling_stack, "frontend")) as c:
+        c.embed(TEXTS)
+    after = scrape(metrics)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("llmserve:request_success_by_task_total", task="embed") == len(TEXTS)
+    assert delta("llmserve:request_success_by_task_total", task="generate") == 0
+    assert delta("llmserve:prompt_tokens_total") == sum(len(tokenizer(t)["input_ids"])
+                                                        for t in TEXTS)
+    assert delta("llmserve:e2e_request_latency_seconds_count") == len(TEXTS)

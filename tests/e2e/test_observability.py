@@ -10,19 +10,13 @@ import requests
 
 from llmserve.client import Client
 from tests.e2e.conftest import address, wait_all_blocks_free
-from tests.metrics_scrape import scrape
+from tests.metrics_scrape import scrape, value
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
 SERVICES = {"frontend": "llmserve-frontend", "engine-core": "llmserve-engine-core",
             "worker": "llmserve-worker"}
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    """The sum over the series of `name` whose labels include `labels`."""
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and all((k, str(x)) in ls for k, x in labels.items()))
 
 
 def test_one_trace_across_three_services_with_the_request_phases(stack, otlp):
