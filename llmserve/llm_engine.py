@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Iterable
 
 import torch
-from typing import Iterable
 
 from services.common.config import EngineConfig
 from services.common.errors import AlreadyExists
