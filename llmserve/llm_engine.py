@@ -12,8 +12,8 @@ from services.common.config import EngineConfig
 from services.common.errors import AlreadyExists
 from services.common.lora import LoRARequest
 from services.common.model_store import resolve_model
-from services.common.pooling_params import PoolingParams, truncate_prompt
-from services.common.request_types import EngineCoreOutput, EngineCoreRequest
+from services.common.pooling_params import PoolingParams
+from services.common.request_types import EngineCoreOutput
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
 from services.engine_core.engine_core import EngineCore
@@ -82,13 +82,12 @@ class LLMEngine:
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
                              priority: int, lora_request: LoRARequest | None) -> None:
-        """A prefill-only request; the engine core resolves and checks its params."""
-        prompt_ids = truncate_prompt(self.processor.tokenize(**input_kwargs(prompt)), params,
-                                     self.engine_core.info.max_model_len)
-        self.engine_core.add_request(EngineCoreRequest(
-            request_id, prompt_ids, SamplingParams(max_tokens=1), priority=priority,
-            lora_request=lora_request, pooling_params=params))
-        self._pooling[request_id] = prompt_ids
+        """A prefill-only request (Processor.make_pooling_request)."""
+        request = self.processor.make_pooling_request(
+            request_id, self.processor.tokenize(**input_kwargs(prompt)), params, {}, priority,
+            lora_request)
+        self.engine_core.add_request(request)
+        self._pooling[request_id] = request.prompt_token_ids
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step; what it changed, per request (see SamplingParams.output_kind):

@@ -19,7 +19,7 @@ from opentelemetry import trace
 from services.common import tracing
 from services.common.errors import (FailedPrecondition, InvalidArgument, LLMServeError,
                                     Unavailable, request_id_in_use)
-from services.common.pooling_params import PoolingParams, truncate_prompt
+from services.common.pooling_params import PoolingParams
 from services.common.request_types import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.frontend.async_merge import merge
@@ -185,12 +185,10 @@ class AsyncLLM:
                                 ) -> list[EngineCoreRequest]:
         check_embed_inputs(inputs)
         lora = self.loras.get(options.lora_name)
-        max_len = self.processor.engine_info.max_model_len
-        ids = [truncate_prompt(await self.tokenize(p), params, max_len) for p in inputs]
-        return [EngineCoreRequest(
-            request_id if len(ids) == 1 else f"{request_id}-{i}", prompt_ids,
-            SamplingParams(max_tokens=1), trace_headers=tracing.current_trace_headers(),
-            priority=options.priority, lora_request=lora, pooling_params=params)
+        ids = [await self.tokenize(p) for p in inputs]
+        return [self.processor.make_pooling_request(
+            request_id if len(ids) == 1 else f"{request_id}-{i}", prompt_ids, params,
+            tracing.current_trace_headers(), options.priority, lora)
             for i, prompt_ids in enumerate(ids)]
 
     async def abort(self, request_id: str) -> None:

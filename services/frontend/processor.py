@@ -8,6 +8,7 @@ from jinja2 import TemplateError
 
 from services.common.errors import InvalidArgument
 from services.common.lora import LoRARequest
+from services.common.pooling_params import PoolingParams, truncate_prompt
 from services.common.request_types import EngineCoreRequest, EngineInfo
 from services.common.sampling_params import SamplingParams
 
@@ -72,6 +73,19 @@ class Processor:
             eos_token_ids=self.eos_token_ids, trace_headers=trace_headers, priority=priority,
             queue_slots=n - i, lora_request=lora_request)
             for i in range(n)]
+
+    def make_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             pooling_params: PoolingParams, trace_headers: dict[str, str],
+                             priority: int = 0, lora_request: LoRARequest | None = None
+                             ) -> EngineCoreRequest:
+        """A prefill-only request, its prompt cut to truncate_prompt_tokens; the
+        engine core resolves the pooler and checks the params (its sampling
+        params are unused)."""
+        prompt_token_ids = truncate_prompt(prompt_token_ids, pooling_params,
+                                           self.engine_info.max_model_len)
+        return EngineCoreRequest(request_id, prompt_token_ids, SamplingParams(max_tokens=1),
+                                 trace_headers=trace_headers, priority=priority,
+                                 lora_request=lora_request, pooling_params=pooling_params)
 
     def _resolve(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """What the engine needs spelled out: max_tokens=None as the room max_model_len
