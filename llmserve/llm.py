@@ -15,7 +15,7 @@ from llmserve.llm_engine import LLMEngine
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_outputs import (EmbeddingRequestOutput, PoolingRequestOutput,
                                       ScoringRequestOutput, cosine_score)
-from services.common.pooling_params import PoolingParams
+from services.common.pooling_params import PoolingParams, pair_for_scoring
 from llmserve.prompts import PromptType, is_single_prompt
 
 Conversation = list[dict[str, str]]
@@ -74,13 +74,12 @@ class LLM:
               ) -> list[ScoringRequestOutput]:
         """The cosine similarity of embeddings: one text against each of many, or
         two lists pairwise (as vLLM's score for embedding models)."""
-        first = [data_1] if is_single_prompt(data_1) else list(data_1)
         second = [data_2] if is_single_prompt(data_2) else list(data_2)
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise ValueError(f"score: {len(first)} texts against {len(second)}; give one "
-                             "against many, or two lists of the same length")
+        try:
+            first = pair_for_scoring([data_1] if is_single_prompt(data_1) else list(data_1),
+                                     second)
+        except ValueError as e:
+            raise ValueError(f"score: {e}") from None
         pooled = self.encode(first + second, pooling_params, use_tqdm)
         return [cosine_score(str(i), a, b)
                 for i, (a, b) in enumerate(zip(pooled[:len(first)], pooled[len(first):]))]

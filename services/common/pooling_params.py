@@ -58,3 +58,14 @@ def truncate_prompt(prompt_ids: list[int], params: PoolingParams,
         return prompt_ids
     keep = max_model_len if keep == -1 else keep
     return prompt_ids[-keep:]
+
+
+def pair_for_scoring(first: list, second: list) -> list:
+    """The texts `second` is scored against, one each: a single first text against
+    every second one, or two lists pairwise (vLLM's score); ValueError otherwise."""
+    if len(first) == 1:
+        return first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"{len(first)} texts against {len(second)}: give one text against "
+                         "many, or two lists of the same length")
+    return first

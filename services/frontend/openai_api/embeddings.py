@@ -11,7 +11,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from services.common.errors import InvalidArgument
-from services.common.pooling_params import PoolingParams
+from services.common.pooling_params import PoolingParams, pair_for_scoring
 from services.frontend.async_llm import AsyncLLM, PromptInput, RequestOptions
 from services.frontend.openai_api.protocol import Request, TokenId
 
@@ -104,14 +104,14 @@ async def create_embeddings(llm: AsyncLLM, body: EmbeddingRequest,
 
 async def create_scores(llm: AsyncLLM, body: ScoreRequest,
                         options: RequestOptions) -> ScoreResponse:
-    first = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
     second = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
-    if len(first) == 1:
-        first = first * len(second)
-    if len(first) != len(second) or not second:
-        raise InvalidArgument("text_2", f"has {len(second)} texts against text_1's "
-                              f"{len(first)}: give one text against many, or two lists of "
-                              "the same length")
+    if not second:
+        raise InvalidArgument("text_2", "is empty: give at least one text to score")
+    try:
+        first = pair_for_scoring(
+            [body.text_1] if isinstance(body.text_1, str) else list(body.text_1), second)
+    except ValueError as e:
+        raise InvalidArgument("text_2", f"text_1 has {e}") from None
     request_id = f"score-{uuid.uuid4().hex}"
     params = PoolingParams(normalize=True, truncate_prompt_tokens=body.truncate_prompt_tokens)
     embeddings = await llm.embed([PromptInput(prompt=t) for t in first + second], params,
