@@ -68,6 +68,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(capacity, dtype=np.int64)
         self.block_table = np.zeros((capacity, self.max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(capacity, dtype=np.int64)
+        self.is_pooling = np.zeros(capacity, dtype=bool)  # pooling requests' rows
         self.states: list[RequestState | None] = [None] * capacity
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(capacity - 1, -1, -1))
@@ -91,6 +92,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.is_pooling[row] = new.pooling_params is not None
         self.append_blocks(new.request_id, new.block_ids)
 
     def state_of(self, request_id: str) -> RequestState | None:
@@ -121,7 +123,7 @@ class InputBatch:
     def _grow(self) -> None:
         old = len(self.states)
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens",
-                     "block_table", "num_blocks"):
+                     "block_table", "num_blocks", "is_pooling"):
             array = getattr(self, name)
             grown = np.zeros((2 * old,) + array.shape[1:], dtype=array.dtype)
             grown[:old] = array
@@ -167,8 +169,7 @@ class InputBatch:
                 seq_lens[decode_idx], bs)]),
             prefill_request_indices=np.flatnonzero(num_new > 1).tolist())
         prompt_done = seq_lens >= self.num_tokens[rows]
-        pooling = np.fromiter((self.states[r].pooling_params is not None for r in rows),
-                              dtype=bool, count=len(rows))
+        pooling = self.is_pooling[rows]
         return StepInputs(input_ids=to(input_ids), positions=to(positions), attn_metadata=meta,
                           request_ids=request_ids, rows=rows, query_start_loc=query_start_loc,
                           starts=starts, sampling=prompt_done & ~pooling, pooling=pooling,
