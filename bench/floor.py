@@ -101,9 +101,18 @@ def workload_floor(shape: ModelShape, m: Measured, requests: int, prompt_len: in
     return out
 
 
+def embed_floor(shape: ModelShape, m: Measured, requests: int, prompt_len: int) -> dict:
+    """The fastest `requests` prompts could be embedded: their tokens through the body
+    at the prefill rate (a pooling request runs no LM head)."""
+    tokens = requests * prompt_len
+    seconds = prefill_seconds(shape, m, tokens, prefill_rows(requests, prompt_len))
+    return {"seconds": seconds, "prompts_s": requests / seconds, "tok_s": tokens / seconds}
+
+
 def batch_sizes(s) -> list[int]:
     """Every M a floor needs: one stream, each decode batch, the prefill rows."""
     ms = {1, s.requests, s.large_requests, prefill_rows(s.requests, s.prompt_len),
+          prefill_rows(s.embed_requests, s.prompt_len),
           prefill_rows(1, s.prompt_len), *s.concurrency}
     return sorted(m for m in ms if m > 0)  # --large-requests 0: no larger run
 
@@ -119,6 +128,8 @@ def floors(shape: ModelShape, m: Measured, s) -> dict:
     if s.large_requests:
         out["offline_large"] = workload_floor(shape, m, s.large_requests, s.prompt_len,
                                               s.output_len, s.large_requests)
+    if s.embed_requests:
+        out["embeddings"] = embed_floor(shape, m, s.embed_requests, s.prompt_len)
     for c in s.concurrency:
         n = s.level_requests(c)
         out["serving"][str(c)] = workload_floor(shape, m, n, s.prompt_len, s.output_len, c)

@@ -155,8 +155,8 @@ def run_extra_dtype(s: Settings, model_dir: str, phases: Phases, results: dict,
 
 def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
                     alone: bool) -> None:
-    """What follows the main steps: the HTTP comparison, the costs of observability and
-    of structured outputs, the extra dtypes and the numeric modes."""
+    """What follows the main steps: the HTTP comparison, the cost of observability,
+    embedding throughput, the cost of structured outputs, the extra dtypes and the numeric modes."""
     if not (s.skip_serving or s.skip_http or s.skip_vllm or alone):
         from bench.http_serving import run_http_serving
 
@@ -165,6 +165,11 @@ def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
         from bench.observability import run_observability
 
         run_observability(s, model_dir, phases, results)
+    if not (s.skip_embeddings or alone):
+        from bench.embeddings import run_embeddings
+
+        run_embeddings(s, model_dir, phases, results)
+        gc.collect()
     if not (s.skip_offline or s.skip_structured_outputs or alone):
         from bench.structured_outputs import run_structured_outputs
 

@@ -60,6 +60,11 @@ class Settings:
     max_model_len: int = 2048
     skip_offline: bool = False
     skip_serving: bool = False
+    # Embedding throughput (bench/embeddings.py): embed_requests prompts of prompt_len
+    # tokens through LLM.embed, llmserve and vLLM-CPU, the median of embed_rounds rounds.
+    embed_requests: int = 64
+    embed_rounds: int = 3
+    skip_embeddings: bool = False
     # Served throughput with tracing and metrics on against off (bench/observability.py).
     skip_observability: bool = False
     # Offline throughput of a batch with some requests held to a JSON schema

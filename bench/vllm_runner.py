@@ -2,7 +2,8 @@
 venv's python: `python -I vllm_runner.py SPEC.json OUT.json`.
 
 It imports only vllm, the standard library and json (never llmserve or bench
-code: it runs in another venv). The spec holds the bench's own token-id prompts;
+code: it runs in another venv). The spec holds the bench's own token-id prompts
+(and, with task "embed", asks for LLM.embed rounds on a pooling runner instead);
 the output holds raw figures (seconds, token counts, per-token timestamps) that
 the bench summarizes with its own code."""
 from __future__ import annotations
@@ -120,11 +121,45 @@ def run(spec: dict) -> dict:
     return result
 
 
+def load_pooling(spec: dict):
+    """An embedding LLM: vLLM's pooling runner with the spec's pooler, prefix caching
+    off as in load()."""
+    from vllm import LLM
+    from vllm.config import PoolerConfig
+
+    # vLLM 0.32 calls the normalization of embeddings use_activation.
+    pooler = PoolerConfig(pooling_type=spec["pooling_type"], use_activation=spec["normalize"])
+    return LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"],
+               max_model_len=spec["max_model_len"], enable_prefix_caching=False,
+               seed=spec["seed"], disable_log_stats=True, runner="pooling",
+               pooler_config=pooler)
+
+
+def embed(llm, prompts: list[list[int]]) -> dict:
+    """All prompts through one LLM.embed call; the vectors come back for the bench to
+    compare with llmserve's."""
+    start = time.perf_counter()
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "embeddings": [o.outputs.embedding for o in outputs]}
+
+
+def run_embed(spec: dict) -> dict:
+    """Load the pooling runner and warm it up, then the spec's rounds of LLM.embed."""
+    phases: dict[str, float] = {}
+    llm = _timed(phases, "load (and compile), pooling runner", load_pooling, spec)
+    _timed(phases, "warm-up", embed, llm, spec["warmup"])
+    rounds = [_timed(phases, f"embed {len(spec['prompts'])} prompts, round {i + 1}", embed,
+                     llm, spec["prompts"]) for i in range(spec["rounds"])]
+    return {"meta": describe(llm), "phases": phases,
+            "seconds": [r["seconds"] for r in rounds], "embeddings": rounds[-1]["embeddings"]}
+
+
 def main(argv: list[str]) -> None:
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
-    result = run(spec)
+    result = run_embed(spec) if spec.get("task") == "embed" else run(spec)
     with open(out_path, "w") as f:
         json.dump(result, f)
     log("done")

@@ -68,6 +68,14 @@ def test_workload_floor_adds_prefill_through_the_body_only():
     assert "itl_s" not in f
 
 
+def test_embedding_floor_is_the_prompts_through_the_body_at_the_prefill_rate():
+    f = floor.embed_floor(TOY, TOY_M, requests=2, prompt_len=3)
+    # 6 tokens x 2 x 28 body params at the best rate at or below M=6 (4 GFLOP/s); no LM head.
+    assert f["seconds"] == pytest.approx(6 * 56 / 4e9)
+    assert f["prompts_s"] == pytest.approx(2 / f["seconds"])
+    assert f["tok_s"] == pytest.approx(6 / f["seconds"])
+
+
 def test_single_stream_floor_has_a_per_token_time():
     f = floor.workload_floor(TOY, TOY_M, requests=1, prompt_len=3, output_len=5, batch=1)
     assert f["itl_s"] == pytest.approx(144 / 1e9)
@@ -78,11 +86,12 @@ def test_single_stream_floor_has_a_per_token_time():
 
 def test_floors_cover_every_workload_of_the_settings():
     s = Settings(requests=2, large_requests=4, prompt_len=3, output_len=5,
-                 single_stream_len=6, concurrency=[1, 2], serving_requests=2)
-    assert floor.batch_sizes(s) == [1, 2, 3, 4, 6]
+                 single_stream_len=6, concurrency=[1, 2], serving_requests=2, embed_requests=5)
+    assert floor.batch_sizes(s) == [1, 2, 3, 4, 6, 15]  # 15: the embedding prompts' rows
     out = floor.floors(TOY, Measured(gflop_s={m: float(m) for m in floor.batch_sizes(s)},
                                      stream_gb_s=1.0, bytes_per_param=4), s)
-    assert set(out) == {"offline", "offline_large", "single_stream", "batch1", "serving"}
+    assert set(out) == {"offline", "offline_large", "single_stream", "batch1", "serving",
+                        "embeddings"}
     assert set(out["serving"]) == {"1", "2"}
     assert out["serving"]["2"] == out["offline"]  # same requests, same batch
     assert all(math.isfinite(f["output_tok_s"]) and f["output_tok_s"] > 0
@@ -121,7 +130,8 @@ def test_our_gemv_is_timed_for_the_rows_it_takes():
 
 
 def test_no_larger_run_no_larger_floor():
-    s = Settings(requests=2, large_requests=0, prompt_len=3, output_len=5, concurrency=[1])
+    s = Settings(requests=2, large_requests=0, prompt_len=3, output_len=5, concurrency=[1],
+                 embed_requests=0)
     assert 0 not in floor.batch_sizes(s)
     out = floor.floors(TOY, Measured({m: 1.0 for m in floor.batch_sizes(s)}, 1.0, 4), s)
-    assert "offline_large" not in out
+    assert "offline_large" not in out and "embeddings" not in out

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--requests", "2", "--prompt-len", "8", "--output-len", "4", "--single-stream-len", "6",
         "--concurrency", "1,2", "--serving-requests", "2", "--baseline-b1-requests", "2",
         "--kv-cache-gib", "0.02", "--max-model-len", "64", "--large-requests", "4",
+        "--embed-requests", "3", "--embed-rounds", "2",
         # bfloat16 named, so the extra-dtype section runs on any CPU (emulated bf16 is
         # slow, but not at these sizes); the modes load four models: their own test
         # (test_bench_accuracy.py) runs them.
@@ -54,6 +55,10 @@ def test_every_section_has_positive_figures(bench_run):
     cost = results["observability"]
     assert positive(cost["off_output_tok_s"]) and positive(cost["on_output_tok_s"])
     assert cost["spans_received"] > 0  # "on" really exported its spans
+    embedded = results["embeddings"]
+    assert embedded["requests"] == 3 and len(embedded["llmserve"]["round_seconds"]) == 2
+    assert positive(embedded["llmserve"]["prompts_s"]) and "vllm" not in embedded
+    assert positive(results["floor"]["floors"]["embeddings"]["tok_s"])
     structured = results["structured_outputs"]
     assert structured["constrained"] == 1 and structured["unconstrained_outputs_unchanged"]
     assert all(positive(structured[k]) for k in ("unconstrained_output_tok_s",
@@ -94,6 +99,7 @@ def test_markdown_is_printed_and_written(bench_run):
     assert markdown in stdout
     for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
                     "## Cost of tracing and metrics", "## Cost of structured outputs",
+                    "## Embeddings: `LLM.embed`, 3 prompts × 8 tokens",
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
         assert heading in markdown

@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from bench import prompts as P
 from bench import vllm_baseline, vllm_env
 from bench.settings import Settings
@@ -131,3 +133,24 @@ def test_runner_imports_only_vllm_and_the_standard_library():
     modules |= {node.module.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.module}
     assert modules - set(sys.stdlib_module_names) == {"vllm"}
+
+
+def _fake_runner(tmp_path, monkeypatch, body: str) -> VllmEnv:
+    """vllm_baseline.RUNNER replaced by a script (spec path, out path in argv)."""
+    script = tmp_path / "runner.py"
+    script.write_text("import sys, json\nspec, out = sys.argv[1:]\n" + body)
+    monkeypatch.setattr(vllm_baseline, "RUNNER", script)
+    return VllmEnv(venv=str(tmp_path), python=sys.executable, torch="2.13.0", vllm="0.32.0")
+
+
+def test_figures_written_before_a_crash_in_teardown_count(tmp_path, monkeypatch):
+    """vLLM's pooling runner can abort after its last figure (in vLLM's teardown)."""
+    env = _fake_runner(tmp_path, monkeypatch, "open(out, 'w').write(json.dumps({'x': 1}))\n"
+                       "import os; os.abort()\n")
+    assert vllm_baseline.run_runner(env, {}, 1, tmp_path / "log") == {"x": 1}
+
+
+def test_a_runner_that_writes_nothing_is_unavailable_with_its_log(tmp_path, monkeypatch):
+    env = _fake_runner(tmp_path, monkeypatch, "print('the reason'); sys.exit(3)\n")
+    with pytest.raises(vllm_env.VllmUnavailable, match="exited with 3(.|\n)*the reason"):
+        vllm_baseline.run_runner(env, {}, 1, tmp_path / "log")
