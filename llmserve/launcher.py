@@ -110,17 +110,33 @@ class LocalStack:
                 service.process.kill()
                 service.process.wait()
 
-    def _start_engine_core(self, replica: int, deadline: float) -> ServiceProcess:
+    def start_workers(self, timeout_s: float = 300.0) -> list[str]:
+        """Starts only the first replica's workers (the offline API's engine core runs
+        in the caller's process) and returns their addresses in rank order."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
+        try:
+            workers = self._start_workers(0, time.monotonic() + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return [w.address for w in workers]
+
+    def _start_workers(self, replica: int, deadline: float) -> list[ServiceProcess]:
         suffix = f"-{replica}" if self.engine_replicas > 1 else ""
-        tp = self.config.parallel.tensor_parallel_size
+        ranks = self.workers_per_replica
         workers = []
-        for rank in range(tp):
-            name = f"worker{suffix}" + (f"-rank{rank}" if tp > 1 else "")
-            index = replica * tp + rank
+        for rank in range(ranks):  # global ranks, stage-major (services/worker/pipeline.py)
+            name = f"worker{suffix}" + (f"-rank{rank}" if ranks > 1 else "")
+            index = replica * ranks + rank
             workers.append(self._spawn(name, [
                 "services.worker", "--host", "127.0.0.1", "--rank", str(rank),
                 *self._cores_flag(index), *tls_to_argv(self.tls),
                 *self._metrics_flags(name, 1 + self.engine_replicas + index)], 0, deadline))
+        return workers
+
+    def _start_engine_core(self, replica: int, deadline: float) -> ServiceProcess:
+        suffix = f"-{replica}" if self.engine_replicas > 1 else ""
+        workers = self._start_workers(replica, deadline)
         name = f"engine-core{suffix}"
         return self._spawn(name, [
             "services.engine_core", "--host", "127.0.0.1",
@@ -145,11 +161,17 @@ class LocalStack:
 
     def _cores_flag(self, worker_index: int) -> list[str]:
         """Each worker on its own cores when there are several (replicas, TP ranks)."""
-        num_workers = self.engine_replicas * self.config.parallel.tensor_parallel_size
+        num_workers = self.engine_replicas * self.workers_per_replica
         if num_workers == 1:
             return []
         groups = split_cores(sorted(os.sched_getaffinity(0)), num_workers)
         return ["--cpu-cores", format_cores(groups[worker_index])]
+
+    @property
+    def workers_per_replica(self) -> int:
+        """Worker processes per engine core: each pipeline stage's TP ranks."""
+        parallel = self.config.parallel
+        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
     def __enter__(self) -> "LocalStack":
         return self

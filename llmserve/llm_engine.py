@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Iterable
 
 import torch
@@ -17,7 +18,7 @@ from services.common.request_types import EngineCoreOutput
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
 from services.engine_core.engine_core import EngineCore
-from services.engine_core.executor import InprocExecutor
+from services.engine_core.executor import GrpcExecutor, InprocExecutor, default_init_method
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.processor import Processor
 from services.worker.worker import Worker
@@ -29,9 +30,39 @@ from llmserve.prompts import PromptType, input_kwargs, prompt_text
 
 def make_inproc_engine_core(config: EngineConfig) -> EngineCore:
     """An EngineCore with its worker in this process."""
-    config = dataclasses.replace(config, model=dataclasses.replace(
+    return EngineCore(_resolved(config), InprocExecutor([Worker()]))
+
+
+def make_engine_core(config: EngineConfig) -> EngineCore:
+    """An EngineCore in this process: with its worker here too, or, with tensor or
+    pipeline parallelism, over one worker process per rank on this machine (each on
+    its own cores), stopped when the engine core is collected or Python exits."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1:
+        return make_inproc_engine_core(config)
+    from llmserve.launcher import LocalStack
+
+    config = _resolved(config)
+    stack = LocalStack(config)
+    try:
+        addresses = stack.start_workers()
+        if not parallel.distributed_init_method:
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                parallel, distributed_init_method=default_init_method(addresses[0])))
+        executor = GrpcExecutor(addresses)
+        executor.wait_ready(120.0)
+        core = EngineCore(config, executor)
+    except BaseException:
+        stack.stop(grace_s=5.0)
+        raise
+    weakref.finalize(core, stack.stop, 5.0)
+    return core
+
+
+def _resolved(config: EngineConfig) -> EngineConfig:
+    """The config with its model as a local path (the default model's package)."""
+    return dataclasses.replace(config, model=dataclasses.replace(
         config.model, model=resolve_model(config.model.model)))
-    return EngineCore(config, InprocExecutor([Worker()]))
 
 
 class LLMEngine:
@@ -42,7 +73,7 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     def __init__(self, config: EngineConfig):
-        self.engine_core = make_inproc_engine_core(config)
+        self.engine_core = make_engine_core(config)
         self.tokenizer, eos_token_ids = load_tokenizer(self.engine_core.info.model_path)
         self.processor = Processor(self.tokenizer, self.engine_core.info, eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -106,8 +106,16 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model is split across worker processes."""
 
-    tensor_parallel_size: int = setting(1, "worker processes the model is split across",
-                                        vllm=True, flag_aliases=("-tp",))
+    tensor_parallel_size: int = setting(1, "worker processes each stage's layers are split "
+                                        "across (sharding every weight)", vllm=True,
+                                        flag_aliases=("-tp",))
+    pipeline_parallel_size: int = setting(
+        1, "stages the decoder layers are split into, each a worker process (or a "
+        "tensor-parallel group of them) holding only its layers' weights and KV cache",
+        vllm=True, flag_aliases=("-pp",))
+    pp_layer_partition: str = setting(
+        "", "layers per stage, comma-separated (vLLM's VLLM_PP_LAYER_PARTITION); empty: even "
+        "shares, the remainder to the stages before the last")
     device: str = setting("auto", "where the workers run: cuda (rank i on GPU i) or cpu; "
                           "auto: cuda when torch sees a GPU, else cpu", choices=DEVICES)
     # Not offline: in-process workers form no group.

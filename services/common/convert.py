@@ -247,7 +247,8 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             pooling_params=pooling_params_to_proto(r.pooling_params)) for r in so.new_requests],
         cached_requests=[worker_pb2.CachedRequestData(
             request_id=r.request_id, new_block_ids=r.new_block_ids,
-            num_computed_tokens=r.num_computed_tokens) for r in so.cached_requests],
+            num_computed_tokens=r.num_computed_tokens, new_token_ids=r.new_token_ids)
+            for r in so.cached_requests],
         num_scheduled_tokens=so.num_scheduled_tokens,
         finished_request_ids=so.finished_request_ids,
         grammar_bitmasks={r: m.astype("<i4").tobytes() for r, m in so.grammar_bitmasks.items()})
@@ -266,7 +267,8 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
             for r in pb.new_requests],
         cached_requests=[CachedRequestData(
             request_id=r.request_id, new_block_ids=list(r.new_block_ids),
-            num_computed_tokens=r.num_computed_tokens) for r in pb.cached_requests],
+            num_computed_tokens=r.num_computed_tokens, new_token_ids=list(r.new_token_ids))
+            for r in pb.cached_requests],
         # Sorted: a proto map's iteration order depends on the process (upb seeds
         # its hash with an address), and tensor-parallel ranks must lay the step's
         # tokens out in one order, or the all-reduce adds up different tokens.

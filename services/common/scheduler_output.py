@@ -49,6 +49,11 @@ class CachedRequestData:
     new_block_ids: list[int]
     # Tokens whose KV is in the cache before this step.
     num_computed_tokens: int
+    # Pipeline parallelism only: the request's output tokens from position
+    # max(num_computed_tokens, its prompt length) on. No stage but the last sees
+    # what it samples, and a request is not scheduled again before its batch is
+    # back, so these are known here and are the tokens the workers lack.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

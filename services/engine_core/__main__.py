@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import socket
 
 from services.common.config_cli import (add_engine_args, engine_config_from_args,
                                         parse_args_refusing_vllm_flags)
@@ -18,21 +17,12 @@ from services.common.server import (ServiceServer, add_drain_arg, add_health_por
 from services.common.tls import add_tls_args, tls_from_args
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.engine_loop import EngineLoop
-from services.engine_core.executor import GrpcExecutor
+from services.engine_core.executor import GrpcExecutor, default_init_method
 from services.engine_core.metrics import EngineCoreMetrics
 from services.engine_core.servicer import EngineCoreServicer
 
 SERVICE_NAME = engine_core_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
 logger = logging.getLogger(__name__)
-
-
-def default_init_method(rank0_address: str) -> str:
-    """tcp://<rank 0's host>:<a port free here>: right when the workers run on this
-    host (llmserve serve); elsewhere pass --distributed-init-method."""
-    host = rank0_address.rsplit(":", 1)[0]
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_port_arg(parser, "--port", 50052, "the EngineCore gRPC API's port")
     parser.add_argument("--port-file", help="write host:port here once serving")
     parser.add_argument("--worker-addresses", required=True,
-                        help="comma-separated host:port of the workers, rank 0 first")
+                        help="comma-separated host:port of the workers in rank order: "
+                        "stage by stage, each stage's tensor-parallel ranks in order")
     add_metrics_port_arg(parser)
     add_drain_arg(parser)
     add_health_port_arg(parser)

@@ -1,6 +1,7 @@
 """EngineCore: step = schedule -> execute on the workers -> update requests; with
 async scheduling, the next step is scheduled and sent before the last one's
-output is applied."""
+output is applied; with pipeline parallelism, up to P batches are in flight
+(vLLM's step_with_batch_queue), each of different requests."""
 from __future__ import annotations
 
 import collections
@@ -48,7 +49,8 @@ class EngineCore:
         loaded = executor.load_model(config)
         num_blocks = executor.determine_num_kv_blocks()
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
-                                   num_blocks, config.lora.num_slots)
+                                   num_blocks, config.lora.num_slots,
+                                   config.parallel.pipeline_parallel_size)
         executor.init_kv_cache(num_blocks, self.scheduler.next_step_id)
         self.loras = LoRARegistry(config.lora, executor)
         self.info = EngineInfo(model_path=config.model.model,
@@ -59,9 +61,11 @@ class EngineCore:
         self.grammar_compiler = GrammarCompiler(config.model.model, loaded.vocab_size,
                                                 config.structured_outputs.compile_timeout_s)
         self.num_scheduled_tokens_last_step = 0
-        # Sent to the workers, output not back yet: at most one between step()
-        # calls, and only with async scheduling.
+        # Sent to the workers, output not back yet, oldest first: between step()
+        # calls at most queue_depth() - 1 of them.
         self._in_flight: collections.deque[_StepInFlight] = collections.deque()
+        # Batches in flight once each step was sent (the batch queue's depth).
+        self.on_step_sent: Callable[[int], None] | None = None
         self._last_step_done_at = 0.0
         # Called with each step's seconds and tokens once its output is applied.
         self.on_step_done: Callable[[float, int], None] | None = None
@@ -118,16 +122,29 @@ class EngineCore:
         return bool(self._in_flight) or self.scheduler.has_work()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedules a step and sends it to the workers, then waits for the steps
-        in flight and returns their outputs. With async scheduling the step just
-        sent stays in flight, so the workers find it queued when they finish the
-        one before: the first call of a run returns []."""
+        """Schedules a step and sends it to the workers, then waits for the oldest
+        steps in flight until fewer than queue_depth() are, and returns their
+        outputs. With async scheduling or pipeline parallelism the step just sent
+        stays in flight, so the workers find it queued when they finish the one
+        before: the first call of a run returns []. When nothing could be sent
+        (every request is in flight), the oldest step is waited for."""
         sent = self._send(self.scheduler.schedule())
-        keep_one = sent and self._overlap_steps()
+        keep = self.queue_depth() - 1 if sent else max(0, len(self._in_flight) - 1)
         outputs = []
-        while len(self._in_flight) > (1 if keep_one else 0):
+        while len(self._in_flight) > keep:
             outputs += self._receive(self._in_flight.popleft())
         return outputs
+
+    def queue_depth(self) -> int:
+        """Steps that may be in flight at once. Pipeline parallelism: one batch per
+        stage (vLLM's batch queue), which replaces async scheduling: a request is
+        in one batch at a time, so its next step cannot be sent before its token is
+        back, and each stage works on another batch meanwhile. Otherwise two with
+        async scheduling, else one."""
+        stages = self.config.parallel.pipeline_parallel_size
+        if stages > 1 and self.executor.overlaps_steps:
+            return stages
+        return 2 if self._overlap_steps() else 1
 
     def _overlap_steps(self) -> bool:
         """Async scheduling, where the workers run apart from this thread, unless
@@ -173,6 +190,8 @@ class EngineCore:
             raise
         self._in_flight.append(_StepInFlight(scheduler_output, pending, span,
                                              time.perf_counter()))
+        if self.on_step_sent is not None:
+            self.on_step_sent(len(self._in_flight))
         return True
 
     def _step_span(self, scheduler_output):

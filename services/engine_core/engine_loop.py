@@ -63,6 +63,7 @@ class EngineLoop:
         self.core = core
         if metrics is not None:
             core.on_step_done = metrics.observe_step
+            core.on_step_sent = metrics.observe_step_sent
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, OutputSink] = {}  # by request id; loop thread only
         self._stopped = False

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import socket
 from typing import Callable
 
 import grpc
@@ -33,7 +34,8 @@ class PendingStep:
 
 
 class Executor(abc.ABC):
-    """Runs each step on every worker and returns rank 0's result."""
+    """Runs each step on every worker and returns the result of the last pipeline
+    stage's first rank (rank 0 without pipeline parallelism)."""
 
     # Whether a step can run on the workers while the engine core schedules the
     # next one (async scheduling); not when the workers run inside the call.
@@ -84,9 +86,12 @@ class InprocExecutor(Executor):
         self.workers = workers
 
     def load_model(self, config):
-        if config.parallel.tensor_parallel_size != 1 or len(self.workers) != 1:
-            raise ValueError("in-process execution runs one worker; tensor parallelism needs "
-                             "worker processes (llmserve serve --tensor-parallel-size N)")
+        parallel = config.parallel
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1 \
+                or len(self.workers) != 1:
+            raise ValueError("in-process execution runs one worker; tensor and pipeline "
+                             "parallelism need worker processes (llmserve serve "
+                             "--tensor-parallel-size N --pipeline-parallel-size P)")
         return self.workers[0].load_model(config)
 
     def add_lora(self, lora_id, lora_path):
@@ -109,6 +114,15 @@ class InprocExecutor(Executor):
         return outputs[0]
 
 
+def default_init_method(rank0_address: str) -> str:
+    """tcp://<rank 0's host>:<a port free here>: right when the workers run on this
+    host (llmserve serve); elsewhere pass --distributed-init-method."""
+    host = rank0_address.rsplit(":", 1)[0]
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
 class GrpcExecutor(Executor):
     """Talks to remote worker processes; each step goes to every worker."""
 
@@ -120,6 +134,9 @@ class GrpcExecutor(Executor):
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.rpc_timeout_s = rpc_timeout_s
         self._last_step_sent: list[grpc.Future] = []
+        # The rank whose step output counts: the last stage's first (ranks are
+        # stage-major), set by load_model.
+        self._output_rank = 0
 
     def wait_ready(self, timeout_s: float) -> None:
         for channel in self.channels:
@@ -150,9 +167,11 @@ class GrpcExecutor(Executor):
         return responses
 
     def load_model(self, config):
-        if config.parallel.tensor_parallel_size != len(self.stubs):
-            raise ValueError(f"tensor_parallel_size is {config.parallel.tensor_parallel_size} "
-                             f"but {len(self.stubs)} worker addresses were given")
+        tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+        if tp * pp != len(self.stubs):
+            raise ValueError(f"tensor_parallel_size {tp} × pipeline_parallel_size {pp} workers "
+                             f"are needed, but {len(self.stubs)} worker addresses were given")
+        self._output_rank = (pp - 1) * tp
         # Every rank joins the process group inside LoadModel: the calls run concurrently.
         responses = self._call_all("LoadModel", worker_pb2.LoadModelRequest(
             config=convert.engine_config_to_proto(config)))
@@ -195,8 +214,9 @@ class GrpcExecutor(Executor):
     def execute_model_async(self, scheduler_output):
         request = convert.scheduler_output_to_proto(scheduler_output)
         futures = self._last_step_sent = self._start_all("ExecuteModel", request)
+        rank = self._output_rank
         return PendingStep(
-            lambda: convert.model_runner_output_from_proto(self._responses(futures)[0]))
+            lambda: convert.model_runner_output_from_proto(self._responses(futures)[rank]))
 
     def shutdown(self):
         # Not under a step still in flight (async scheduling leaves one when the

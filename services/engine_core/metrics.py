@@ -10,6 +10,7 @@ from services.common.request_types import EngineInfo, EngineStats
 
 _STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                  0.75, 1.0, 2.5, 5.0, 10.0]
+_QUEUE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16]
 _M = "model_name"
 _SCRAPED = [
     ScrapedMetric("llmserve:num_requests_running", "Requests in the running batch.", "gauge", [_M]),
@@ -44,10 +45,18 @@ class EngineCoreMetrics:
         self.step_tokens = metrics.histogram(
             "llmserve:iteration_tokens_total", "Tokens computed per engine step.",
             exponential_buckets(max_num_batched_tokens), [_M]).labels(**self._labels)
+        self.queue_depth = metrics.histogram(
+            "llmserve:batch_queue_depth",
+            "Steps in flight at the workers once each step is sent: 2 with async "
+            "scheduling's overlap; up to the pipeline-parallel size with the batch queue.",
+            _QUEUE_BUCKETS, [_M]).labels(**self._labels)
 
     def observe_step(self, seconds: float, num_tokens: int) -> None:
         self.step_time.observe(seconds)
         self.step_tokens.observe(num_tokens)
+
+    def observe_step_sent(self, num_in_flight: int) -> None:
+        self.queue_depth.observe(num_in_flight)
 
     def _readings(self) -> list[Reading]:
         stats = self._read_stats()

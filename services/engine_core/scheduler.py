@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 max_model_len: int, num_kv_blocks: int, max_loras: int = 0):
+                 max_model_len: int, num_kv_blocks: int, max_loras: int = 0,
+                 pipeline_parallel_size: int = 1):
         capacity = num_kv_blocks * cache_config.block_size
         if capacity < max_model_len:
             # Otherwise one request alone could outgrow the cache and preempt itself forever.
@@ -35,6 +36,9 @@ class Scheduler:
         # Distinct LoRA adapters the running requests may use at once (the
         # workers' slots); 0: LoRA off.
         self.max_loras = max_loras
+        # With pipeline parallelism up to this many batches are in flight (the
+        # engine core's batch queue); a request is in at most one of them.
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -121,7 +125,8 @@ class Scheduler:
         output = SchedulerOutput(step_id=self.next_step_id,
                                  finished_request_ids=sorted(self.finished_request_ids))
         self.finished_request_ids.clear()
-        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
+        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap(),
+                         self._batch_request_cap())
         preempted = self._schedule_running(output, budget)
         if not preempted:  # no room to admit anyone when running requests lacked blocks
             self._schedule_waiting(output, budget)
@@ -142,6 +147,15 @@ class Scheduler:
     @property
     def next_step_id(self) -> int:
         return self.num_steps + 1
+
+    def _batch_request_cap(self) -> int | None:
+        """Pipeline parallelism: requests one batch may hold, a 1/P share of the live
+        ones, so that P batches fill the pipeline. Without it the first batch would
+        take every running request and the next find none left to run."""
+        if self.pipeline_parallel_size == 1:
+            return None
+        live = len(self.running) + len(self.waiting)
+        return max(1, -(-live // self.pipeline_parallel_size))
 
     def _prefill_cap(self) -> int | None:
         """How many prompt tokens this step may compute, if capped (see
@@ -166,6 +180,8 @@ class Scheduler:
             if self._waits_for_in_flight_tokens(request):
                 index += 1
                 continue
+            if budget.requests_left == 0:
+                break
             num_new = budget.grant(request.request_id, request.num_uncomputed_tokens)
             if num_new == 0:  # a prompt chunk, and the prefill cap is spent
                 index += 1
@@ -188,7 +204,8 @@ class Scheduler:
                 budget.refund(request.request_id)
                 continue  # `request` itself was preempted; running[index] is the next one
             scheduled[request.request_id] = CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens)
+                request.request_id, new_block_ids, request.num_computed_tokens,
+                self._tokens_workers_lack(request))
             output.num_scheduled_tokens[request.request_id] = num_new
             index += 1
         output.cached_requests = list(scheduled.values())
@@ -199,7 +216,7 @@ class Scheduler:
         # behind them go first meanwhile (as in vLLM).
         skipped: list[Request] = []
         while (self.waiting and budget.tokens > 0 and budget.prefill_left != 0
-               and len(self.running) < self.config.max_num_seqs):
+               and budget.requests_left != 0 and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             # A request preempted while its step was in flight resumes once that
             # step's token is in its output (all_token_ids is what it recomputes).
@@ -317,9 +334,21 @@ class Scheduler:
         in-flight tokens are back. A structured-outputs request needs them for
         its grammar's next bitmask (EngineCore never overlaps steps while one
         runs, so there this only guards the scheduler's own rule); one they take
-        to its length limit is done."""
+        to its length limit is done. With pipeline parallelism every request
+        waits (vLLM's rule): the first stage needs the token as its input, and
+        only the last stage has it."""
         return request.num_output_placeholders > 0 and (
-            request.grammar is not None or request.in_flight_tokens_end_it(self.max_model_len))
+            self.pipeline_parallel_size > 1 or request.grammar is not None
+            or request.in_flight_tokens_end_it(self.max_model_len))
+
+    def _tokens_workers_lack(self, request: Request) -> list[int]:
+        """Pipeline parallelism: the output tokens a scheduled cached request sends
+        (see CachedRequestData.new_token_ids); none otherwise, where the workers
+        append what they sample."""
+        if self.pipeline_parallel_size == 1:
+            return []
+        start = max(request.num_computed_tokens, request.num_prompt_tokens)
+        return list(request.all_token_ids[start:])
 
     def _lora_slot_free(self, request: Request) -> bool:
         """Whether admitting the request keeps the running adapters within max_loras."""
@@ -366,9 +395,10 @@ class Scheduler:
 class _Budget:
     """One step's token budget, and the part of it prompt tokens may use."""
 
-    def __init__(self, tokens: int, prefill_cap: int | None):
+    def __init__(self, tokens: int, prefill_cap: int | None, request_cap: int | None = None):
         self.tokens = tokens
         self.prefill_left = prefill_cap  # None: uncapped
+        self.requests_left = request_cap  # None: uncapped
         self._granted: dict[str, tuple[int, int]] = {}  # request -> (tokens, prefill part)
 
     def grant(self, request_id: str, wanted: int) -> int:
@@ -381,6 +411,8 @@ class _Budget:
             self.prefill_left -= prefill
         self.tokens -= granted
         self._granted[request_id] = (granted, prefill)
+        if granted and self.requests_left is not None:
+            self.requests_left -= 1
         return granted
 
     def refund(self, request_id: str) -> None:
@@ -389,3 +421,5 @@ class _Budget:
         self.tokens += tokens
         if self.prefill_left is not None:
             self.prefill_left += prefill
+        if tokens and self.requests_left is not None:
+            self.requests_left += 1

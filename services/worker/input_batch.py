@@ -116,6 +116,16 @@ class InputBatch:
     def set_num_computed(self, request_id: str, num_computed_tokens: int) -> None:
         self.num_computed_tokens[self.row_of[request_id]] = num_computed_tokens
 
+    def set_output_tokens(self, request_id: str, num_computed_tokens: int,
+                          token_ids: list[int]) -> None:
+        """The request's output tokens from position max(num_computed_tokens, its
+        prompt length) on, as the scheduler sends them (pipeline parallelism, where a
+        stage never sees the tokens the last one samples)."""
+        row = self.row_of[request_id]
+        start = max(num_computed_tokens, int(self.num_prompt_tokens[row]))
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1

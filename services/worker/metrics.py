@@ -10,8 +10,10 @@ from services.worker.worker import Worker
 
 _FORWARD_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                     0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
-_INFO_LABELS = ["rank", "world_size", "device", "dtype", "weight_dtype", "kv_cache_dtype",
-                "attention_backend"]
+# pipeline_stage: join it with the forward time by rank for each stage's time (a
+# stage after the first includes its wait for the stage before).
+_INFO_LABELS = ["rank", "world_size", "pipeline_stage", "device", "dtype", "weight_dtype",
+                "kv_cache_dtype", "attention_backend"]
 
 
 class WorkerMetrics:

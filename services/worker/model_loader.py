@@ -6,7 +6,7 @@ import glob
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from services.common.model_store import find_gguf
 from services.worker.cpu_info import cpu_flags
 from services.worker.parallel import SINGLE, TensorParallel
+from services.worker.pipeline import SINGLE_STAGE, PipelineStage
 from services.worker.models import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 Weights = Iterator[tuple[str, torch.Tensor]]
+StageFor = Callable[[int], PipelineStage]
 
 
 def cpu_has_bf16() -> bool:
@@ -79,11 +81,14 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_safetensors(model_dir: str) -> Weights:
+def iterate_safetensors(model_dir: str, wanted: Callable[[str], bool] = lambda name: True
+                        ) -> Weights:
+    """The checkpoint's tensors whose names are `wanted` (the others are not read)."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 # ---- GGUF files ----------------------------------------------------------------------
@@ -159,8 +164,10 @@ def gguf_to_hf_names(arch: str, config: PreTrainedConfig) -> dict[str, str]:
     return names
 
 
-def iterate_gguf(reader, config: PreTrainedConfig) -> Weights:
-    """Dequantized tensors, one at a time, under their HF checkpoint names.
+def iterate_gguf(reader, config: PreTrainedConfig,
+                 wanted: Callable[[str], bool] = lambda name: True) -> Weights:
+    """Dequantized tensors, one at a time, under their HF checkpoint names (those
+    `wanted`; the others are not dequantized).
 
     gguf dequantizes; transformers' tensor processor reverses llama.cpp's q/k
     permutation.
@@ -178,6 +185,8 @@ def iterate_gguf(reader, config: PreTrainedConfig) -> Weights:
                 "is not supported; use the HF checkpoint")
         if tensor.name not in names:
             raise KeyError(f"GGUF tensor {tensor.name!r} has no {arch!r} checkpoint name")
+        if not wanted(names[tensor.name]):
+            continue
         weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
                                     name=tensor.name).weights
         # Dequantized F32 tensors are read-only views of the memory-mapped file.
@@ -189,33 +198,38 @@ def iterate_gguf(reader, config: PreTrainedConfig) -> Weights:
 
 def build_model(config: PreTrainedConfig, dtype: torch.dtype, max_positions: int,
                 device: torch.device, tp: TensorParallel = SINGLE,
-                backend=None) -> torch.nn.Module:
-    """Our model for the config (this rank's shard), weights uninitialized."""
+                backend=None, stage_for: StageFor = lambda num_layers: SINGLE_STAGE
+                ) -> torch.nn.Module:
+    """Our model for the config (this rank's shard of its pipeline stage's layers),
+    weights uninitialized."""
     model_class = model_class_for(config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with device:
-            return model_class(config, max_positions, backend=backend, tp=tp)
+            return model_class(config, max_positions, backend=backend, tp=tp,
+                               stage=stage_for(config.num_hidden_layers))
     finally:
         torch.set_default_dtype(default_dtype)
 
 
 def load_model(model: str, dtype: torch.dtype, max_positions: int, device: torch.device,
-               tp: TensorParallel = SINGLE, backend=None) -> torch.nn.Module:
+               tp: TensorParallel = SINGLE, backend=None,
+               stage_for: StageFor = lambda num_layers: SINGLE_STAGE) -> torch.nn.Module:
     """From an HF directory, a .gguf file or a directory holding one .gguf; with tensor
-    parallelism, this rank's shard."""
+    parallelism, this rank's shard; with pipeline parallelism, of its stage's layers
+    only (stage_for: the stage, given the model's layer count)."""
     gguf_path = find_gguf(model)
     if gguf_path is None:
         config = AutoConfig.from_pretrained(model)
-        net = build_model(config, dtype, max_positions, device, tp, backend)
-        net.load_weights(iterate_safetensors(model))
+        net = build_model(config, dtype, max_positions, device, tp, backend, stage_for)
+        net.load_weights(iterate_safetensors(model, net.wants))
     else:
         from gguf import GGUFReader
 
         reader = GGUFReader(gguf_path)
         config = gguf_config(gguf_path, reader)
-        net = build_model(config, dtype, max_positions, device, tp, backend)
-        net.load_weights(iterate_gguf(reader, config))
+        net = build_model(config, dtype, max_positions, device, tp, backend, stage_for)
+        net.load_weights(iterate_gguf(reader, config, net.wants))
     logger.info("loaded %s from %s (%s, %s)", type(net).__name__, gguf_path or model, dtype, device)
     return net.eval()

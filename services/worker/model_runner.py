@@ -21,8 +21,12 @@ _tracer = tracing.tracer(__name__)
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
                  kv_cache_dtype: torch.dtype, max_model_len: int,
-                 decode_graphs: DecodeGraphs | None = None, lora: LoRAManager | None = None):
+                 decode_graphs: DecodeGraphs | None = None, lora: LoRAManager | None = None,
+                 activation_dtype: torch.dtype = torch.float32):
         self.model = model
+        # This worker's pipeline stage (SINGLE_STAGE without pipeline parallelism).
+        self.stage = model.stage
+        self.activation_dtype = activation_dtype  # of what stages hand each other
         self.block_size = block_size
         self.device = device
         self.kv_cache_dtype = kv_cache_dtype
@@ -103,6 +107,8 @@ class ModelRunner:
             self.lora.set_step([states[row].lora_id for row in step.rows],
                                np.diff(step.query_start_loc).tolist())
         hidden = self._forward(step)
+        if hidden is None:  # a stage before the last: the last one samples
+            return ModelRunnerOutput()
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(step, hidden))
         if step.pooling.any():
             output.pooled = pool_step(self.input_batch, step, hidden)
@@ -114,16 +120,27 @@ class ModelRunner:
             meta = build_sampling_metadata(self.input_batch, rows, self.vocab_size)
             tokens, logprobs = self.sampler(logits, meta)
             tokens = tokens.cpu().numpy()
-            self.input_batch.append_tokens(rows, tokens)
+            if self.stage.size == 1:  # else every stage takes them from the scheduler
+                self.input_batch.append_tokens(rows, tokens)
             output.sampled_token_ids = dict(zip(sampled_ids, tokens.tolist()))
             output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
         return output
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
-        meta, graphs = step.attn_metadata, self.decode_graphs
+    def _forward(self, step: StepInputs) -> torch.Tensor | None:
+        """The final hidden states; None on a pipeline stage before the last, which
+        hands its output to the next stage instead."""
+        meta, graphs, stage = step.attn_metadata, self.decode_graphs, self.stage
         if graphs is not None and graphs.can_run(len(step.input_ids), meta.max_query_len):
             return graphs.run(step.input_ids, step.positions, meta)
-        return self.model(step.input_ids, step.positions, meta)
+        intermediate = None
+        if not stage.is_first:
+            intermediate = stage.recv(len(step.input_ids), self.model.config.hidden_size,
+                                      self.activation_dtype, self.device)
+        out = self.model(step.input_ids, step.positions, meta, intermediate)
+        if stage.is_last:
+            return out
+        stage.send(out)
+        return None
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Applies the step's diff to the persistent batch."""
@@ -141,6 +158,9 @@ class ModelRunner:
             batch.add(new, RequestState(new.request_id, new.sampling_params, new.eos_token_ids,
                                         generator, span, new.lora_id, new.pooling_params))
         for cached in so.cached_requests:
+            if cached.new_token_ids:  # pipeline parallelism: the tokens sampled since
+                batch.set_output_tokens(cached.request_id, cached.num_computed_tokens,
+                                        cached.new_token_ids)
             batch.append_blocks(cached.request_id, cached.new_block_ids)
             batch.set_num_computed(cached.request_id, cached.num_computed_tokens)
 

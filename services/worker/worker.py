@@ -19,6 +19,7 @@ from services.worker.linear import linear_layers
 from services.worker.model_loader import load_model, resolve_dtype, resolve_storage_dtypes
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import init_distributed
+from services.worker.pipeline import PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class WorkerDescription:
     weight_dtype: str
     kv_cache_dtype: str
     attention_backend: str
+    pipeline_stage: int = 0  # from 0
     num_kv_blocks: int = 0
     kv_cache_bytes: int = 0
 
@@ -109,22 +111,27 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._cuda_start = CudaMemory.now(self.device)
+        num_stages = parallel_config.pipeline_parallel_size
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
-                              parallel_config.distributed_init_method, self.device)
-        if tp.size > 1 and self.device.type == "cpu" and not self.pinned:
+                              parallel_config.distributed_init_method, self.device, num_stages)
+        world = tp.size * num_stages
+        if world > 1 and self.device.type == "cpu" and not self.pinned:
             # Ranks on one machine share its cores (see cpu_cores.py); the
             # launcher pins each to its own, a rank started alone takes its share.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dtype = resolve_dtype(model_config.dtype, self.device)
         weight_dtype, kv_dtype = resolve_storage_dtypes(dtype, model_config.weight_dtype,
                                                         cache_config.kv_cache_dtype)
         backend = make_attention_backend(model_config.attention_backend, self.device,
                                          cache_config.block_size, kv_dtype)
         model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp,
-                           backend)
+                           backend, lambda num_layers: PipelineStage.of(
+                               self.rank, tp.size, num_stages, num_layers,
+                               parallel_config.pp_layer_partition))
         graphs = None
-        # LoRA deltas depend on per-step slot tensors the graphs would not see.
-        if self.device.type == "cuda" and backend.graph_safe \
+        # LoRA deltas depend on per-step slot tensors the graphs would not see; a
+        # pipeline stage's step sends and receives tensors outside any graph.
+        if self.device.type == "cuda" and backend.graph_safe and num_stages == 1 \
                 and not model_config.enforce_eager and not lora_config.enable_lora:
             graphs = DecodeGraphs(model, MAX_GRAPH_BATCH, model_config.max_model_len,
                                   cache_config.block_size, self.device, capture=True)
@@ -134,14 +141,15 @@ class Worker:
                             dtype, self.device)
                 if lora_config.enable_lora else None)
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,
-                                        model_config.max_model_len, graphs, lora)
+                                        model_config.max_model_len, graphs, lora, dtype)
         self.cache_config = cache_config
         self.description = WorkerDescription(
-            self.rank, tp.size, str(self.device), _name(dtype), _name(weight_dtype or dtype),
-            _name(kv_dtype), backend.name)
+            self.rank, world, str(self.device), _name(dtype), _name(weight_dtype or dtype),
+            _name(kv_dtype), backend.name, model.stage.rank)
         logger.info("worker %d on %s: %s, %s attention, linears: %s, KV cache %s, CUDA graphs "
                     "%s", self.rank, self.device, dtype, backend.name, linears, kv_dtype,
                     "on" if graphs else "off")
+        _log_stage(self.rank, model)
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=_name(dtype),
                            kv_block_bytes=self.model_runner.kv_block_bytes(),
                            hidden_size=model.config.hidden_size)
@@ -181,6 +189,15 @@ class Worker:
     def remove_lora(self, lora_id: int) -> None:
         if self.model_runner.lora is not None:
             self.model_runner.lora.remove_adapter(lora_id)
+
+
+def _log_stage(rank: int, model: torch.nn.Module) -> None:
+    """What this rank holds, counted from its loaded parameters (a tied head once)."""
+    stage, num_layers = model.stage, len(model.model.own_layers)
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info("worker %d: pipeline stage %d of %d, layers %d-%d, %d parameters", rank,
+                stage.rank + 1, stage.size, stage.start_layer,
+                stage.start_layer + num_layers - 1, num_params)
 
 
 def _name(dtype: torch.dtype) -> str:

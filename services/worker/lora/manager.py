@@ -24,8 +24,12 @@ class LoRAManager:
         # (layer index, projection) -> (the layer's LoRALayer, its shard name there)
         self.targets: dict[tuple[int, str], tuple[LoRALayer, str]] = {}
         self.layers: list[LoRALayer] = []
+        # A pipeline stage wraps its own layers; an adapter's weights for the
+        # others' are theirs to apply.
+        self.owns = model.stage.owns
         for index, layer in enumerate(model.model.layers):
-            self._attach(index, layer, model.packed_modules_mapping, tp, dtype)
+            if self.owns(index):
+                self._attach(index, layer, model.packed_modules_mapping, tp, dtype)
         self.adapters: dict[int, LoRAAdapter] = {}
         self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # LRU
 
@@ -48,7 +52,8 @@ class LoRAManager:
     def add_adapter(self, lora_id: int, path: str) -> None:
         """Reads the adapter (ValueError if llmserve cannot apply it)."""
         adapter = load_adapter(path, self.max_rank)
-        unknown = [where for where in adapter.weights if where not in self.targets]
+        unknown = [where for where in adapter.weights
+                   if where not in self.targets and self.owns(where[0])]
         if unknown:
             raise ValueError(f"adapter targets {unknown[0]}, which the model does not have")
         self.remove_adapter(lora_id)
@@ -96,6 +101,8 @@ class LoRAManager:
         """Every layer's slot gets the adapter's weights for it (none: zeros)."""
         by_layer: dict[LoRALayer, dict] = {lora_layer: {} for lora_layer in self.layers}
         for where, weights in (adapter.weights.items() if adapter else []):
+            if where not in self.targets:  # a layer of another pipeline stage
+                continue
             lora_layer, shard = self.targets[where]
             by_layer[lora_layer][shard] = weights
         for lora_layer, weights in by_layer.items():

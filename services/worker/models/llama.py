@@ -16,6 +16,7 @@ from services.worker.layers import RMSNorm, Rope, RotaryEmbedding, apply_rope, s
 from services.worker.linear import (PackedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                     VocabParallelEmbedding)
 from services.worker.parallel import SINGLE, TensorParallel
+from services.worker.pipeline import SINGLE_STAGE, IntermediateTensors, PipelineStage
 
 
 @dataclass(frozen=True)
@@ -122,21 +123,42 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """A place held for a layer another pipeline stage runs (vLLM's PPMissingLayer):
+    the layer indices stay those of the checkpoint, and nothing is allocated."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_positions: int, arch: ArchFlags, backend, tp: TensorParallel):
+    def __init__(self, config, max_positions: int, arch: ArchFlags, backend, tp: TensorParallel,
+                 stage: PipelineStage = SINGLE_STAGE):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.stage = stage
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+                             if stage.is_first else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, max_positions, arch, backend, tp)
-            for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            LlamaDecoderLayer(config, max_positions, arch, backend, tp) if stage.owns(i)
+            else MissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
 
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
+    @property
+    def own_layers(self) -> list[LlamaDecoderLayer]:
+        return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+
+    def forward(self, input_ids, positions, meta,
+                intermediate: IntermediateTensors | None = None):
+        """The final hidden states on the last stage; on any other, what the next
+        stage takes (the first stage embeds input_ids, the others start from
+        `intermediate`)."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary(positions)
-        for layer in self.layers:
+        for layer in self.own_layers:
             x, residual = layer(rope, x, residual, meta)
+        if not self.stage.is_last:
+            return IntermediateTensors(x, residual)
         return self.norm(x, residual)[0]
 
 
@@ -152,25 +174,50 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(config, "attention_bias", False)
         return ArchFlags(qkv_bias=bias, o_bias=bias)
 
-    def __init__(self, config, max_positions: int, backend=None, tp: TensorParallel = SINGLE):
+    def __init__(self, config, max_positions: int, backend=None, tp: TensorParallel = SINGLE,
+                 stage: PipelineStage = SINGLE_STAGE):
         super().__init__()
         check_supported(config, max_positions)
         self.config = config
+        self.stage = stage
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, max_positions, self.arch_flags(config),
-                                backend or CpuPagedBackend(), tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if self.tie_word_embeddings:
+                                backend or CpuPagedBackend(), tp, stage)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+                        if stage.is_last else None)
+        if self.tie_word_embeddings and stage.is_first and stage.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.own_layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of the scheduled tokens."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: IntermediateTensors | None = None):
+        """Hidden states [T, hidden] of the scheduled tokens (on a pipeline stage
+        before the last: its IntermediateTensors)."""
+        return self.model(input_ids, positions, meta, intermediate)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into on this stage; None for one
+        another stage holds (or a tied head the embedding stands for)."""
+        stage = self.stage
+        if name.startswith("model.layers."):
+            return name if stage.owns(int(name.split(".")[2])) else None
+        if name.startswith("model.embed_tokens."):
+            if stage.is_first:
+                return name
+            # A tied head on a last stage without the embedding loads the embedding.
+            return "lm_head.weight" if stage.is_last and self.tie_word_embeddings else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            # Some tied checkpoints still store the head; the embedding is authoritative.
+            tied_copy = name == "lm_head.weight" and self.tie_word_embeddings
+            return name if stage.is_last and not tied_copy else None
+        return name
+
+    def wants(self, checkpoint_name: str) -> bool:
+        """Whether this stage reads the checkpoint tensor at all."""
+        return self.checkpoint_name(checkpoint_name) is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler widens them to fp32 when a row
@@ -181,10 +228,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            # Some tied checkpoints still store the head; the embedding is authoritative.
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            name = self.checkpoint_name(name)
+            if name is None or "rotary_emb" in name:
                 continue
             shard = None
             for ckpt_name, (packed_name, shard_name) in self.packed_modules_mapping.items():
