@@ -15,7 +15,7 @@ from llmserve.client import Client
 from tests.e2e.conftest import engine_stats_at, wait_all_blocks_free_at
 from tests.e2e.dns_server import DnsServer
 from tests.e2e.k8s_pods import restart_container, start_pod, stop_pod, wait_ready
-from tests.k8s_render import find, pod_templates, render
+from tests.k8s_render import K8S_DIR, find, pod_templates, render
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +32,16 @@ def container_port(template: dict, container: str, port_name: str) -> int:
 @pytest.fixture
 def cluster(tmp_path, otlp):
     """Starts pods from the rendered manifests; stops them all at the end."""
-    objects = render()
+    yield from run_pods(render(), tmp_path, otlp)
+
+
+@pytest.fixture
+def pipeline_cluster(tmp_path, otlp):
+    """The same, from the pipeline-parallel overlay."""
+    yield from run_pods(render(K8S_DIR / "overlays" / "pipeline"), tmp_path, otlp)
+
+
+def run_pods(objects: list[dict], tmp_path, otlp):
     dns = DnsServer()
     pods = []
     # What the image and the cluster provide differently here: the collector.
@@ -100,6 +109,27 @@ def test_the_manifests_serve_scale_and_drain(cluster, otlp):
     check_worker_restart(engine1, ports["grpc"])
     assert wait_all_blocks_free_at(second).num_used_kv_blocks == 0
     check_trace(otlp, "k8s-first")
+
+
+def test_the_pipeline_overlay_serves_from_two_stages(pipeline_cluster):
+    """One engine pod, its two workers one stage each: greedy text over both APIs
+    equals the offline API's with the model in one process."""
+    from llmserve.llm import LLM
+    from services.common.sampling_params import SamplingParams
+
+    objects, dns, start = pipeline_cluster
+    templates = pod_templates(objects)
+    ports = {name: container_port(templates["llmserve-frontend"], "frontend", name)
+             for name in ("grpc", "http")}
+    engine = start("llmserve-engine", "llmserve-engine-0", ENGINE_IPS[0])
+    assert set(engine.processes) == {"engine-core", "worker", "worker-stage2"}
+    dns.set(find(objects, "Service", "llmserve-engine")["metadata"]["name"], [engine.ip])
+    start("llmserve-frontend", "llmserve-frontend-0", FRONTEND_IP)
+    text = check_both_apis(ports)
+    expected = LLM().generate("The capital of France is", SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert text == expected
+    assert stop_pod(engine) == {"engine-core": 0, "worker": 0, "worker-stage2": 0}
 
 
 def check_both_apis(ports: dict[str, int]) -> str:

@@ -21,12 +21,12 @@ def tls_objects(tmp_path_factory):
                                   [K8S_DIR / "components" / "tls"])
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu", "cpu+tls"])
+@pytest.fixture(scope="module", params=["cpu", "gpu", "pipeline", "cpu+tls"])
 def objects(request):
     if request.param == "cpu":
         return render(K8S_DIR)
-    if request.param == "gpu":
-        return render(K8S_DIR / "overlays" / "gpu")
+    if request.param in ("gpu", "pipeline"):
+        return render(K8S_DIR / "overlays" / request.param)
     return request.getfixturevalue("tls_objects")
 
 
@@ -80,7 +80,8 @@ def test_the_engine_pod_wires_its_workers_and_the_frontend_finds_the_engines(obj
     workers = sorted((parsed_args(c) for c in engine if c["command"][1] == "worker"),
                      key=lambda a: a.rank)
     assert core.worker_addresses.split(",") == [f"127.0.0.1:{w.port}" for w in workers]
-    assert core.tensor_parallel_size == len(workers)
+    assert core.tensor_parallel_size * core.pipeline_parallel_size == len(workers)
+    assert [w.rank for w in workers] == list(range(len(workers)))
 
     frontend_container = pod_templates(objects)["llmserve-frontend"]["spec"]["containers"][0]
     frontend = parsed_args(frontend_container)
