@@ -94,3 +94,27 @@ def wait_all_blocks_free_at(engine_address: str, timeout_s: float = 10.0):
 def wait_for_engine_stat(stack, field: str, n: int):
     """Polls until the engine core's stat `field` reaches n."""
     wait_until(lambda: getattr(engine_stats(stack), field) >= n, f"{field} reaching {n}")
+
+
+def kill_a_worker_mid_stream(stack, prompt: str, max_tokens: int, rank: int = 1) -> None:
+    """SIGKILL of one worker rank after 20 streamed tokens (the stack restarts its
+    dead): the stream ends with the undisturbed run's tokens, every worker of the
+    group was restarted, and every KV block is free."""
+    from llmserve.client import Client
+
+    workers = [s for s in stack.services if s.name.startswith("worker")]
+    pids = [w.process.pid for w in workers]
+    with Client(address(stack, "frontend")) as client:
+        def stream():
+            return client.generate(prompt, max_tokens=max_tokens, temperature=0,
+                                   ignore_eos=True)
+
+        undisturbed = [t for r in stream() for t in r.token_ids]
+        tokens = []
+        for response in stream():
+            tokens += response.token_ids
+            if len(tokens) == 20:
+                workers[rank].process.kill()
+    assert tokens == undisturbed and len(tokens) == max_tokens
+    assert all(w.process.pid != pid for w, pid in zip(workers, pids))  # all restarted
+    wait_all_blocks_free(stack)

@@ -8,7 +8,6 @@ in two by TP) with the default model's tokenizer; the offline test runs the
 default model's real weights."""
 import concurrent.futures
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,9 @@ from llmserve.llm import LLM
 from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                                     ParallelConfig, SchedulerConfig)
 from services.common.sampling_params import SamplingParams
-from tests.e2e.conftest import address, engine_stats, wait_all_blocks_free
-from tests.integration.tiny_models import tiny_hf_model
+from tests.e2e.conftest import (address, engine_stats, kill_a_worker_mid_stream,
+                                wait_all_blocks_free)
+from tests.integration.tiny_models import tiny_hf_model, write_tiny_llama
 from tests.lora_adapters import ALL_PROJECTIONS, build_adapter, peft_greedy
 from tests.metrics_scrape import scrape, value
 
@@ -33,15 +33,8 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, model_dir):
-    path = tmp_path_factory.mktemp("tiny-llama-4-layers")
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2)
-    tiny_hf_model(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(Path(model_dir) / name, path / name)
-    return str(path)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4-layers"), model_dir,
+                            num_hidden_layers=4, tie_word_embeddings=True)
 
 
 def one_stage_greedy(model: str, prompts: list[str], max_tokens: int,
@@ -207,19 +200,7 @@ def test_a_stage_killed_mid_stream_loses_nothing(tiny_model_dir, tmp_path):
     with LocalStack(config(tiny_model_dir, 2), port=0, log_dir=str(tmp_path),
                     restart_dead=True) as stack:
         stack.start(timeout_s=180)
-        stages = [s for s in stack.services if s.name.startswith("worker")]
-        pids = [s.process.pid for s in stages]
-        with Client(address(stack, "frontend")) as client:
-            undisturbed = greedy(client, PROMPTS[0], 200)
-            tokens = []
-            for response in client.generate(PROMPTS[0], max_tokens=200, temperature=0,
-                                            ignore_eos=True):
-                tokens += response.token_ids
-                if len(tokens) == 20:
-                    stages[1].process.kill()
-        assert tokens == undisturbed and len(tokens) == 200
-        assert all(s.process.pid != pid for s, pid in zip(stages, pids))  # both restarted
-        wait_all_blocks_free(stack)
+        kill_a_worker_mid_stream(stack, PROMPTS[0], 200)
 
 
 def test_the_offline_api_splits_the_default_model_into_two_stages(model_dir):

@@ -3,18 +3,16 @@
 The default model's 9 attention heads cannot be split in two, so this uses a tiny
 random Llama (4 heads, 2 KV heads) with the default model's tokenizer."""
 import concurrent.futures
-import shutil
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig
 
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
 from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                                     ParallelConfig)
-from tests.e2e.conftest import address, wait_all_blocks_free
-from tests.integration.tiny_models import tiny_hf_model
+from tests.e2e.conftest import address, kill_a_worker_mid_stream, wait_all_blocks_free
+from tests.integration.tiny_models import write_tiny_llama
 from tests.lora_adapters import ALL_PROJECTIONS, build_adapter, peft_greedy
 
 pytestmark = pytest.mark.e2e
@@ -23,15 +21,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, model_dir):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2)
-    tiny_hf_model(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(Path(model_dir) / name, path / name)
-    return str(path)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), model_dir,
+                            tie_word_embeddings=False)
 
 
 def greedy_outputs(model: str, tp: int, log_dir: Path, lora_dir: str = "",
@@ -86,21 +77,7 @@ def test_one_rank_killed_resets_the_group_and_loses_nothing(tiny_model_dir, tmp_
                           parallel=ParallelConfig(tensor_parallel_size=2))
     with LocalStack(config, port=0, log_dir=str(tmp_path), restart_dead=True) as stack:
         stack.start(timeout_s=180)
-        ranks = [s for s in stack.services if s.name.startswith("worker")]
-        pids = [r.process.pid for r in ranks]
-        with Client(address(stack, "frontend")) as client:
-            def stream():
-                return client.generate(PROMPTS[0], max_tokens=300, temperature=0, ignore_eos=True)
-
-            undisturbed = [t for r in stream() for t in r.token_ids]
-            tokens = []
-            for response in stream():
-                tokens += response.token_ids
-                if len(tokens) == 20:
-                    ranks[1].process.kill()
-        assert tokens == undisturbed and len(tokens) == 300
-        assert all(r.process.pid != pid for r, pid in zip(ranks, pids))  # both restarted
-        wait_all_blocks_free(stack)
+        kill_a_worker_mid_stream(stack, PROMPTS[0], 300)
 
 
 def test_tp2_embeddings_equal_transformers(tiny_model_dir, tokenizer, tmp_path):

@@ -1,9 +1,12 @@
 """Tiny random transformers models and a mixed paged batch to compare ours against them."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
 
 from services.common.request_types import SamplingParams
 from services.common.scheduler_output import (CachedRequestData, NewRequestData,
@@ -34,6 +37,20 @@ def tiny_hf_model(config: PreTrainedConfig, seed: int = 0) -> torch.nn.Module:
             else:
                 param.normal_(0.0, 0.1)
     return model
+
+
+def write_tiny_llama(path: Path, tokenizer_dir: str, **config) -> str:
+    """A tiny random Llama (4 heads, 2 KV heads: splittable by tensor parallelism)
+    with the default model's vocabulary and tokenizer files, so the served stack can
+    run it on text; `config` overrides (num_hidden_layers, tie_word_embeddings)."""
+    tiny_hf_model(LlamaConfig(**{
+        "vocab_size": 49152, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+        **config})).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(tokenizer_dir) / name, path / name)
+    return str(path)
 
 
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:

@@ -2,8 +2,11 @@
 real one does, and 'samples' a token that depends only on the sequence so far."""
 from __future__ import annotations
 
-from services.common.request_types import LoadedModel
+from typing import Callable
+
+from services.common.request_types import FinishReason, LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from services.engine_core.engine_core import EngineCore
 from services.engine_core.executor import Executor
 
 VOCAB_SIZE = 1000
@@ -79,3 +82,18 @@ class FakeExecutor(Executor):
                 state["tokens"].append(token)
                 sampled[request_id] = token
         return ModelRunnerOutput(sampled)
+
+
+def run_to_end(core: EngineCore, on_step: Callable[[EngineCore], None] | None = None
+               ) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
+    """Steps the engine core until it has no work: each request's tokens and finish
+    reason. on_step(core) runs after each step."""
+    tokens, reasons = {}, {}
+    while core.has_work():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+        if on_step is not None:
+            on_step(core)
+    return tokens, reasons

@@ -10,7 +10,7 @@ from services.common.errors import FailedPrecondition
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 from services.engine_core.engine_core import EngineCore
 from services.worker.step_order import StepOrder
-from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens
+from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens, run_to_end
 
 BLOCK_SIZE = 4
 
@@ -20,16 +20,6 @@ def make_core(num_blocks=64, max_model_len=64, async_scheduling=True) -> EngineC
                           cache=CacheConfig(block_size=BLOCK_SIZE),
                           scheduler=SchedulerConfig(async_scheduling=async_scheduling))
     return EngineCore(config, FakeExecutor(num_blocks, BLOCK_SIZE))
-
-
-def run_to_end(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
-    tokens, reasons = {}, {}
-    while core.has_work():
-        for output in core.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-            if output.finished:
-                reasons[output.request_id] = output.finish_reason
-    return tokens, reasons
 
 
 def assert_all_free(core: EngineCore, num_blocks: int) -> None:

@@ -14,7 +14,7 @@ from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.executor import PendingStep
 from services.worker.pipeline import PipelineStage, partition_layers
-from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens
+from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens, run_to_end
 
 BLOCK_SIZE = 4
 
@@ -62,18 +62,6 @@ def make_core(stages=2, num_blocks=64, max_model_len=64, budget=64) -> EngineCor
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget),
                           parallel=ParallelConfig(pipeline_parallel_size=stages))
     return EngineCore(config, PipelineFakeExecutor(num_blocks, BLOCK_SIZE))
-
-
-def run_to_end(core: EngineCore, on_step=None) -> tuple[dict, dict]:
-    tokens, reasons = {}, {}
-    while core.has_work():
-        for output in core.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-            if output.finished:
-                reasons[output.request_id] = output.finish_reason
-        if on_step is not None:
-            on_step(core)
-    return tokens, reasons
 
 
 def add(core: EngineCore, n: int, max_tokens: int = 12, prompt_len: int = 5) -> dict:
