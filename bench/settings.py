@@ -65,6 +65,9 @@ class Settings:
     embed_requests: int = 64
     embed_rounds: int = 3
     skip_embeddings: bool = False
+    # Pipeline parallelism (bench/pipeline.py): the offline batch and one stream
+    # with one stage, two, and two with the batch queue off.
+    skip_pipeline: bool = False
     # Served throughput with tracing and metrics on against off (bench/observability.py).
     skip_observability: bool = False
     # Offline throughput of a batch with some requests held to a JSON schema

@@ -42,8 +42,13 @@ def make_engine_core(config: EngineConfig) -> EngineCore:
         return make_inproc_engine_core(config)
     from llmserve.launcher import LocalStack
 
-    config = _resolved(config)
-    stack = LocalStack(config)
+    return engine_core_over_workers(LocalStack(_resolved(config)))
+
+
+def engine_core_over_workers(stack) -> EngineCore:
+    """An EngineCore in this process over the LocalStack's workers, started here and
+    stopped when the engine core is collected or Python exits."""
+    config, parallel = stack.config, stack.config.parallel
     try:
         addresses = stack.start_workers()
         if not parallel.distributed_init_method:
@@ -72,8 +77,10 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args.create_engine_config())
 
-    def __init__(self, config: EngineConfig):
-        self.engine_core = make_engine_core(config)
+    def __init__(self, config: EngineConfig, engine_core: EngineCore | None = None):
+        """engine_core: one made by the caller (the bench's, over workers it
+        watches); by default make_engine_core's."""
+        self.engine_core = engine_core or make_engine_core(config)
         self.tokenizer, eos_token_ids = load_tokenizer(self.engine_core.info.model_path)
         self.processor = Processor(self.tokenizer, self.engine_core.info, eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -32,6 +32,10 @@ class WorkerMetrics:
                           "gauge", ["rank"]),
             ScrapedMetric("llmserve:worker_kv_cache_bytes", "Bytes of this worker's KV cache.",
                           "gauge", ["rank"]),
+            ScrapedMetric("llmserve:worker_pipeline_wait_seconds",
+                          "Seconds of its steps this rank spent waiting for the previous "
+                          "pipeline stage's tensors (0 on the first stage): subtracted from "
+                          "the forward time, what the stage computed.", "counter", ["rank"]),
         ], self._readings)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -48,6 +52,8 @@ class WorkerMetrics:
         if description is None:  # no model loaded yet
             return []
         info = {name: str(getattr(description, name)) for name in _INFO_LABELS}
+        wait = self.worker.model_runner.stage.recv_wait_s
         return [Reading("llmserve:worker_info", 1, info),
                 Reading("llmserve:worker_num_kv_blocks", description.num_kv_blocks, self._rank),
-                Reading("llmserve:worker_kv_cache_bytes", description.kv_cache_bytes, self._rank)]
+                Reading("llmserve:worker_kv_cache_bytes", description.kv_cache_bytes, self._rank),
+                Reading("llmserve:worker_pipeline_wait_seconds", wait, self._rank)]

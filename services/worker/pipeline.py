@@ -8,6 +8,7 @@ TP rank t of stage i talks to TP rank t of stages i - 1 and i + 1 only.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,9 @@ class PipelineStage:
     # The global ranks of this TP rank in the stages before and after (None at the ends).
     prev_rank: int | None = None
     next_rank: int | None = None
+    # Seconds spent waiting for the previous stage's tensors: this stage's share of
+    # the pipeline bubble (the first stage's is the time between its steps).
+    recv_wait_s: float = 0.0
     # Sends still in flight (their tensors must live until they complete).
     _sends: list = field(default_factory=list, repr=False)
 
@@ -94,8 +98,10 @@ class PipelineStage:
         are known here."""
         hidden, residual = (torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
                             for _ in range(2))
+        start = time.perf_counter()
         dist.recv(hidden, self.prev_rank)
         dist.recv(residual, self.prev_rank)
+        self.recv_wait_s += time.perf_counter() - start
         return IntermediateTensors(hidden, residual)
 
     def _wait_sends(self) -> None:

@@ -186,6 +186,8 @@ def test_the_batch_queue_holds_batches_through_aborts_and_preemption(tiny_model_
             info = next(dict(ls) for (n, ls) in worker if n == "llmserve:worker_info")
             assert info["pipeline_stage"] == str(rank) and info["world_size"] == "2"
             assert value(worker, "llmserve:worker_forward_time_seconds_count") > 0
+            waited = value(worker, "llmserve:worker_pipeline_wait_seconds_total")
+            assert waited > 0 if rank else waited == 0  # only a later stage waits
     for i, tokens in enumerate(got):
         assert tokens == (None if i in (1, 6) else expected[i]), i
     depth = {le: value(samples, "llmserve:batch_queue_depth_bucket", le=le)

