@@ -116,10 +116,12 @@ def sampled_choices(client: Client, prompt: str, params: SamplingParams) -> list
     return [choices[i] for i in sorted(choices)]
 
 
-def test_lora_structured_outputs_and_n_across_stages(tiny_model_dir, tokenizer, tmp_path):
+def test_lora_structured_outputs_n_and_stop_strings_across_stages(tiny_model_dir, tokenizer,
+                                                                   tmp_path):
     """Each stage applies the adapter's weights for its own layers only (equal to
-    peft); a structured-outputs request's bitmask reaches the last stage, and n = 2
-    seeded choices sample as in one stage, all at once with batches in flight."""
+    peft); a structured-outputs request's bitmask reaches the last stage, n = 2
+    seeded choices sample as in one stage, and a stop string cuts a stream as in
+    one stage, all at once with batches in flight."""
     from services.common.sampling_params import OutputKind
     from services.common.structured_outputs import StructuredOutputsParams
 
@@ -129,8 +131,16 @@ def test_lora_structured_outputs_and_n_across_stages(tiny_model_dir, tokenizer, 
     seeded = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True,
                             output_kind=OutputKind.DELTA)
     llm = LLM(tiny_model_dir, dtype="float32", max_model_len=512)
-    expected = [[list(c.token_ids) for c in o.outputs] for o in llm.generate(
-        [PROMPTS[0], PROMPTS[1]], [constrained, seeded], use_tqdm=False)]
+    free = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True), use_tqdm=False)
+    text = free[0].outputs[0].text
+    stopped = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             stop=[text[len(text) // 2:len(text) // 2 + 4]],
+                             output_kind=OutputKind.DELTA)
+    outputs = llm.generate(PROMPTS[:3], [constrained, seeded, stopped], use_tqdm=False)
+    expected = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+    assert outputs[2].outputs[0].finish_reason == "stop"
+    assert len(expected[2][0]) < len(free[0].outputs[0].token_ids)
     del llm
     lora_dir = str(tmp_path / "adapter")
     build_adapter(tiny_model_dir, lora_dir, 5, r=8, lora_alpha=16,
@@ -139,9 +149,10 @@ def test_lora_structured_outputs_and_n_across_stages(tiny_model_dir, tokenizer, 
                     lora_modules=[f"tiny-adapter={lora_dir}"]) as stack:
         stack.start(timeout_s=180)
         with Client(address(stack, "frontend")) as client:
-            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + 2) as pool:
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + 3) as pool:
                 others = [pool.submit(sampled_choices, client, PROMPTS[0], constrained),
-                          pool.submit(sampled_choices, client, PROMPTS[1], seeded)]
+                          pool.submit(sampled_choices, client, PROMPTS[1], seeded),
+                          pool.submit(sampled_choices, client, PROMPTS[2], stopped)]
                 got = list(pool.map(lambda p: greedy(client, p, lora_name="tiny-adapter"),
                                     PROMPTS))
                 assert [f.result() for f in others] == expected
