@@ -7,6 +7,7 @@ import typing
 
 import numpy as np
 
+from services.common.beam_search import BeamSearch
 from services.common.config import EngineConfig
 from services.common.errors import (InvalidArgument, LLMServeError, error_with_status,
                                     status_from_number, status_number)
@@ -14,8 +15,9 @@ from services.common.lora import LoRARequest
 from services.common.pb import common_pb2, config_pb2, engine_core_pb2, worker_pb2
 from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.pooling_params import PoolingParams
-from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
-                                           EngineStats, FinishReason, LoadedModel, Logprobs)
+from services.common.request_types import (BeamSequence, EngineCoreOutput, EngineCoreRequest,
+                                           EngineInfo, EngineStats, FinishReason, LoadedModel,
+                                           Logprobs)
 from services.common.sampling_params import OutputKind, SamplingParams
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
@@ -123,6 +125,40 @@ def pooling_params_from_proto(message, field: str) -> PoolingParams | None:
                                       "pooling_type")})
 
 
+def beam_search_to_proto(b: BeamSearch | None) -> common_pb2.BeamSearch | None:
+    if b is None:
+        return None
+    return common_pb2.BeamSearch(beam_width=b.beam_width, length_penalty=b.length_penalty)
+
+
+def beam_search_from_proto(message) -> BeamSearch | None:
+    """message.beam_search, or None when it is not set."""
+    if not message.HasField("beam_search"):
+        return None
+    pb = message.beam_search
+    return BeamSearch(pb.beam_width,
+                      pb.length_penalty if pb.HasField("length_penalty") else 1.0)
+
+
+def beam_sequence_to_proto(b: BeamSequence) -> common_pb2.BeamSequence:
+    pb = common_pb2.BeamSequence(token_ids=b.token_ids, cum_logprob=b.cum_logprob,
+                                 score=b.score, finish_reason=int(b.finish_reason),
+                                 logprobs=[logprobs_to_proto(lp) for lp in b.logprobs])
+    if isinstance(b.stop_reason, str):
+        pb.stop_string = b.stop_reason
+    elif b.stop_reason is not None:
+        pb.stop_token_id = b.stop_reason
+    return pb
+
+
+def beam_sequence_from_proto(pb: common_pb2.BeamSequence) -> BeamSequence:
+    stop_reason = getattr(pb, pb.WhichOneof("stop_reason")) if pb.WhichOneof("stop_reason") \
+        else None
+    return BeamSequence(list(pb.token_ids), pb.cum_logprob, pb.score,
+                        FinishReason(pb.finish_reason), stop_reason,
+                        [logprobs_from_proto(lp) for lp in pb.logprobs])
+
+
 # ---- engine core -------------------------------------------------------------------
 
 def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.EngineCoreRequest:
@@ -132,7 +168,8 @@ def engine_core_request_to_proto(r: EngineCoreRequest) -> engine_core_pb2.Engine
         eos_token_ids=r.eos_token_ids, trace_headers=r.trace_headers, priority=r.priority,
         queue_slots=r.queue_slots, output_token_ids=r.output_token_ids,
         lora=lora_to_proto(r.lora_request) if r.lora_request else None,
-        pooling_params=pooling_params_to_proto(r.pooling_params))
+        pooling_params=pooling_params_to_proto(r.pooling_params),
+        beam_search=beam_search_to_proto(r.beam_search))
 
 
 def lora_to_proto(lora: LoRARequest) -> engine_core_pb2.LoRAAdapter:
@@ -154,7 +191,8 @@ def engine_core_request_from_proto(pb: engine_core_pb2.EngineCoreRequest) -> Eng
                              output_token_ids=list(pb.output_token_ids),
                              lora_request=lora_from_proto(pb.lora) if pb.HasField("lora")
                              else None,
-                             pooling_params=pooling_params_from_proto(pb, "pooling_params"))
+                             pooling_params=pooling_params_from_proto(pb, "pooling_params"),
+                             beam_search=beam_search_from_proto(pb))
 
 
 def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCoreOutput:
@@ -165,7 +203,7 @@ def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCo
         prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs],
         events=[engine_core_pb2.RequestEvent(kind=int(e.kind), time_unix_nano=e.time_ns,
                                              num_tokens=e.num_tokens) for e in o.events],
-        pooled=o.pooled)
+        pooled=o.pooled, beams=[beam_sequence_to_proto(b) for b in o.beams])
     if o.finish_reason is not None:
         pb.finish_reason = int(o.finish_reason)
     return pb
@@ -179,7 +217,8 @@ def engine_core_output_from_proto(pb: engine_core_pb2.EngineCoreOutput) -> Engin
                             prompt_logprobs=[logprobs_from_proto(p) for p in pb.prompt_logprobs],
                             events=[RequestEvent(RequestEventKind(e.kind), e.time_unix_nano,
                                                  e.num_tokens) for e in pb.events],
-                            pooled=list(pb.pooled) if pb.pooled else None)
+                            pooled=list(pb.pooled) if pb.pooled else None,
+                            beams=[beam_sequence_from_proto(b) for b in pb.beams])
 
 
 def request_error_to_proto(request_id: str,
@@ -251,7 +290,8 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             for r in so.cached_requests],
         num_scheduled_tokens=so.num_scheduled_tokens,
         finished_request_ids=so.finished_request_ids,
-        grammar_bitmasks={r: m.astype("<i4").tobytes() for r, m in so.grammar_bitmasks.items()})
+        grammar_bitmasks={r: m.astype("<i4").tobytes() for r, m in so.grammar_bitmasks.items()},
+        blocks_to_copy=[worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in so.blocks_to_copy])
 
 
 def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutput:
@@ -275,7 +315,8 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
         num_scheduled_tokens=dict(sorted(pb.num_scheduled_tokens.items())),
         finished_request_ids=list(pb.finished_request_ids),
         grammar_bitmasks={r: np.frombuffer(m, dtype="<i4").astype(np.int32)
-                          for r, m in pb.grammar_bitmasks.items()})
+                          for r, m in pb.grammar_bitmasks.items()},
+        blocks_to_copy=[(c.src, c.dst) for c in pb.blocks_to_copy])
 
 
 def model_runner_output_to_proto(o: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:

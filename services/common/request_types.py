@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.common.beam_search import BeamSearch
 from services.common.lora import LoRARequest
 from services.common.pooling_params import PoolingParams
 from services.common.request_events import RequestEvent
@@ -57,6 +58,23 @@ class EngineCoreRequest:
     # A pooling request (pooling_type resolved): prefill only, its output one vector.
     # Its sampling_params are unused.
     pooling_params: PoolingParams | None = None
+    # A beam-search request: its one output, at the end, carries the beams.
+    beam_search: BeamSearch | None = None
+
+
+@dataclass
+class BeamSequence:
+    """One finished beam of a beam-search request."""
+
+    token_ids: list[int]  # the output, a final EOS or stop token included
+    cum_logprob: float
+    # The length-penalized score it was ranked by (beam_search.beam_score).
+    score: float
+    finish_reason: FinishReason
+    # The stop token id or stop string that ended it; None for EOS and length.
+    stop_reason: int | str | None = None
+    # One per output token, when the request asked for logprobs.
+    logprobs: list[Logprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +94,8 @@ class EngineCoreOutput:
     events: list[RequestEvent] = field(default_factory=list)
     # A pooling request's vector, on its only (finished) output.
     pooled: list[float] | None = None
+    # A beam-search request's beams, best first, on its only (finished) output.
+    beams: list[BeamSequence] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

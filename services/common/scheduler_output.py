@@ -70,6 +70,9 @@ class SchedulerOutput:
     # Structured-outputs requests that sample this step: int32 [ceil(vocab / 32)],
     # bit t set where token t may be sampled.
     grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
+    # Beam search: (source, destination) KV blocks to copy before this step's
+    # forward; a fork's shared partial block, about to be written.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -78,7 +81,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing to run and nothing for workers to drop."""
-        return not self.num_scheduled_tokens and not self.finished_request_ids
+        return (not self.num_scheduled_tokens and not self.finished_request_ids
+                and not self.blocks_to_copy)
 
 
 @dataclass

@@ -65,6 +65,11 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forgets a block's hash (its KV will not be what the hash says)."""
+        if block.block_hash is not None:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; only possible while no request holds a block."""
         if self.num_free_blocks != self.num_blocks:

@@ -17,7 +17,10 @@ from services.common.errors import InvalidArgument
 from services.common.lora import LoRARequest
 from services.common.request_types import (EngineCoreOutput, EngineCoreRequest, EngineInfo,
                                            EngineStats)
+from services.common.model_store import resolve_model
+from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
+from services.engine_core.beam_search import start_beam_group
 from services.engine_core.executor import Executor, PendingStep
 from services.engine_core.grammar import RequestGrammar
 from services.engine_core.grammar_compiler import GrammarCompiler
@@ -69,6 +72,7 @@ class EngineCore:
         self._last_step_done_at = 0.0
         # Called with each step's seconds and tokens once its output is applied.
         self.on_step_done: Callable[[float, int], None] | None = None
+        self._tokenizer = None  # for beam search's stop strings, loaded on use
         logger.info("engine core ready: %d KV blocks of %d tokens, dtype %s",
                     num_blocks, config.cache.block_size, loaded.dtype)
 
@@ -90,7 +94,23 @@ class EngineCore:
         if params.structured_outputs is not None:
             compiled = compiled_grammar or self.grammar_compiler.compile(params.structured_outputs)
             grammar = RequestGrammar(compiled, request.eos_token_ids, request.output_token_ids)
-        self.scheduler.add_request(Request.from_engine_core_request(request, grammar))
+        first = Request.from_engine_core_request(request, grammar)
+        if request.beam_search is not None:
+            request.beam_search.validate(params)
+            start_beam_group(first, request.beam_search, self._stop_string_text(params))
+        self.scheduler.add_request(first)
+
+    def _stop_string_text(self, params: SamplingParams):
+        """Beam search with stop strings: the text of a beam's output tokens, which
+        the engine core needs to end a beam at one (the frontend cuts the text).
+        The tokenizer loads on first use."""
+        if not params.stop:
+            return None
+        if self._tokenizer is None:
+            from services.common.tokenizer import load_tokenizer  # transformers: on use
+            self._tokenizer, _ = load_tokenizer(resolve_model(self.config.model.model))
+        tokenizer, skip = self._tokenizer, params.skip_special_tokens
+        return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip)
 
     def _resolve_pooling(self, request: EngineCoreRequest) -> EngineCoreRequest:
         """The model's pooler (ModelConfig.pooling_type, pooling_normalize) fills in
@@ -148,10 +168,12 @@ class EngineCore:
 
     def _overlap_steps(self) -> bool:
         """Async scheduling, where the workers run apart from this thread, unless
-        a structured-outputs request runs: its next bitmask needs the token in
-        flight, so overlapped steps would leave it out of every other one."""
+        a structured-outputs request or a beam group runs: its next bitmask (its
+        next beams) needs the token in flight, so overlapped steps would leave it
+        out of every other one."""
         return (self.config.scheduler.async_scheduling and self.executor.overlaps_steps
-                and not any(r.grammar is not None for r in self.scheduler.running))
+                and not any(r.grammar is not None or r.beam is not None
+                            for r in self.scheduler.running))
 
     def _receive(self, step: _StepInFlight) -> list[EngineCoreOutput]:
         """Waits for a step's output and applies it."""

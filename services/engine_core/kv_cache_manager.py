@@ -27,6 +27,8 @@ class KVCacheManager:
         # How many leading blocks of each request are registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # (source, destination) block ids copied since the last take_blocks_to_copy().
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -62,15 +64,19 @@ class KVCacheManager:
                        new_computed_blocks: list[KVCacheBlock] = ()) -> list[int] | None:
         """Makes room for num_new_tokens after the request's computed tokens and
         the cache-hit blocks; returns the ids of the freshly allocated blocks, or
-        None (changing nothing) when too few blocks are free."""
+        None (changing nothing) when too few blocks are free. A shared partial
+        block about to be written (a beam's fork) is first copied (see fork)."""
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        shared = self._shared_block_to_write(blocks, num_computed)
         # Cache hits on free blocks take them out of the free queue too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_revived:
+        if num_new_blocks + (shared is not None) > self.block_pool.num_free_blocks - num_revived:
             return None
+        if shared is not None:
+            self._copy_on_write(blocks, shared)
         self.block_pool.touch(new_computed_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         blocks.extend(new_computed_blocks)
@@ -83,6 +89,41 @@ class KVCacheManager:
                                     min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in new_blocks]
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Beam search: the child starts with every block of its parent, shared by
+        reference count, the partial last one included. Full blocks stay shared;
+        the partial one is copied when either first writes into it, so that no
+        token is recomputed and only that block is duplicated."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copies the workers must make before the next step's forward."""
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
+        return copies
+
+    def copied_into(self, request_id: str) -> bool:
+        """Whether a copy pending for the next step changed the request's block table."""
+        if not self.blocks_to_copy:
+            return False
+        ids = set(self.block_ids(request_id))
+        return any(dst in ids for _, dst in self.blocks_to_copy)
+
+    def _shared_block_to_write(self, blocks: list[KVCacheBlock], num_computed: int) -> int | None:
+        """The index of the partial block the next token goes to, if others hold it too."""
+        index = num_computed // self.block_size
+        if num_computed % self.block_size and index < len(blocks) and blocks[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, blocks: list[KVCacheBlock], index: int) -> None:
+        shared = blocks[index]
+        blocks[index] = self.block_pool.allocate(1)[0]
+        self.block_pool.free([shared])  # the others keep it
+        self.blocks_to_copy.append((shared.block_id, blocks[index].block_id))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
@@ -91,6 +132,14 @@ class KVCacheManager:
         is the least likely to be shared, so it is evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        # Blocks registered for a step that was then undone (its request preempted
+        # while the same schedule() went on) hold no KV: no later request may hit them.
+        for block in blocks[request.num_computed_tokens // self.block_size:]:
+            if block.ref_cnt == 1:
+                self.block_pool.uncache(block)
+        if self.blocks_to_copy:  # a copy into a block it no longer holds is moot
+            ids = {b.block_id for b in blocks}
+            self.blocks_to_copy = [c for c in self.blocks_to_copy if c[1] not in ids]
         self.block_pool.free(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

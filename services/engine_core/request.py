@@ -11,6 +11,7 @@ from services.common.pooling_params import PoolingParams
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
+    from services.engine_core.beam_search import BeamState
     from services.engine_core.grammar import RequestGrammar
 
 
@@ -59,6 +60,8 @@ class Request:
     lora_id: int = 0
     # A pooling request: prefill only, finished with its pooled vector.
     pooling_params: PoolingParams | None = None
+    # A beam of a beam-search request (beam_search.py); None: an ordinary request.
+    beam: BeamState | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids

@@ -14,6 +14,8 @@ from services.common.request_events import RequestEventKind as Event
 from services.common.request_types import EngineCoreOutput, FinishReason
 from services.common.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                               NewRequestData, SchedulerOutput)
+from services.engine_core.beam_scheduling import BeamScheduling
+from services.engine_core.beam_search import BeamGroup
 from services.engine_core.kv_cache_manager import KVCacheManager
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.request_queue import make_request_queue
@@ -21,7 +23,7 @@ from services.engine_core.request_queue import make_request_queue
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(BeamScheduling):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int, max_loras: int = 0,
                  pipeline_parallel_size: int = 1):
@@ -52,12 +54,15 @@ class Scheduler:
         # NOTE: a counter, not a scan of `waiting`: stats are read from another
         # thread while this one changes the queues.
         self.num_preempted = 0  # waiting requests whose status is PREEMPTED
+        self.beam_groups: dict[str, BeamGroup] = {}  # by the beam-search request's id
 
     # ---- requests in and out -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.beam_groups:
             raise request_id_in_use(request.request_id)
+        if request.beam is not None:
+            self._check_beam_group(request)
         if request.num_prompt_tokens == 0:
             raise InvalidArgument("prompt", "is empty")
         if request.pooling_params is not None:  # prefill only: the prompt may fill it
@@ -76,6 +81,8 @@ class Scheduler:
                 f"{self.config.max_waiting_requests}), and this one needs {request.queue_slots} "
                 "places (one per choice); retry later")
         self.requests[request.request_id] = request
+        if request.beam is not None:
+            self.beam_groups[request.beam.group.request_id] = request.beam.group
         self.waiting.add(request)
         request.record(Event.QUEUED)
 
@@ -84,8 +91,11 @@ class Scheduler:
         are ignored."""
         outputs = []
         for request_id in request_ids:
+            if request_id in self.beam_groups:
+                outputs.append(self._end_beam_group(self.beam_groups[request_id], aborted=True))
+                continue
             request = self.requests.get(request_id)
-            if request is None:
+            if request is None or request.beam is not None:  # a beam goes with its group
                 continue
             self._dequeue(request)
             self._finish(request, FinishReason.ABORT)
@@ -107,9 +117,9 @@ class Scheduler:
         """The workers lost their KV cache (one was restarted): every running
         request goes back to wait, to be recomputed as after a preemption, and
         the prefix cache forgets blocks whose contents are gone."""
-        for request in reversed(self.running):  # prepended: they keep their order
-            self._preempt(request)
-        self.running = []
+        for request in reversed(list(self.running)):  # prepended: they keep their order
+            if request.status is RequestStatus.RUNNING:  # not preempted with its beam group
+                self._preempt(request)
         self.finished_request_ids.clear()  # the new workers never saw them
         for request in self.requests.values():  # the steps in flight are lost
             request.num_output_placeholders = 0
@@ -140,6 +150,7 @@ class Scheduler:
                 if request.grammar is not None:  # the tokens its grammar allows next
                     output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
                 request.num_output_placeholders += 1
+        output.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         if not output.is_empty:  # the engine core sends it: the workers count it too
             self.num_steps += 1
         return output
@@ -172,44 +183,68 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, budget: "_Budget") -> bool:
         """Schedules running requests; True when one had to be preempted."""
-        scheduled: dict[str, CachedRequestData] = {}
+        scheduled: dict[str, NewRequestData | CachedRequestData] = {}
+        visited: set[str] = set()  # running requests looked at: a prefix of running
+        decoding_groups: dict[int, bool] = {}  # beam groups: whether they decode now
         preempted = False
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
+            visited.add(request.request_id)
             if self._waits_for_in_flight_tokens(request):
                 index += 1
                 continue
             if budget.requests_left == 0:
                 break
-            num_new = budget.grant(request.request_id, request.num_uncomputed_tokens)
+            wanted = self._tokens_wanted(request, budget, decoding_groups)
+            num_new = budget.grant(request.request_id, wanted)
             if num_new == 0:  # a prompt chunk, and the prefill cap is spent
                 index += 1
                 continue
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            while new_block_ids is None:
-                victim = self._pick_victim()
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-                if victim.request_id in scheduled:  # undo its place in this step
-                    del scheduled[victim.request_id]
+            new_block_ids, victims = self._allocate_preempting(request, num_new)
+            for victim in victims:  # undo their places in this step
+                if scheduled.pop(victim.request_id, None) is not None:
                     output.num_scheduled_tokens.pop(victim.request_id)
                     budget.refund(victim.request_id)
-                    index -= 1
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            if new_block_ids is None:
+            if new_block_ids is None:  # `request` itself was preempted
                 budget.refund(request.request_id)
-                continue  # `request` itself was preempted; running[index] is the next one
-            scheduled[request.request_id] = CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens,
-                self._tokens_workers_lack(request))
-            output.num_scheduled_tokens[request.request_id] = num_new
-            index += 1
-        output.cached_requests = list(scheduled.values())
+            else:
+                scheduled[request.request_id] = self._step_data(request, new_block_ids)
+                output.num_scheduled_tokens[request.request_id] = num_new
+            if victims:
+                preempted = True
+                index = sum(r.request_id in visited for r in self.running)
+            else:
+                index += 1
+        output.new_requests += [d for d in scheduled.values() if isinstance(d, NewRequestData)]
+        output.cached_requests = [d for d in scheduled.values()
+                                  if isinstance(d, CachedRequestData)]
         return preempted
+
+    def _allocate_preempting(self, request: Request,
+                             num_new: int) -> tuple[list[int] | None, list[Request]]:
+        """allocate_slots, preempting requests (the latest first, or by priority)
+        until it succeeds or `request` itself is preempted (then None). Also
+        returns every request preempted."""
+        victims: list[Request] = []
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+        while new_block_ids is None:
+            preempted = self._preempt(self._pick_victim())
+            victims += preempted
+            if request in preempted:
+                break
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+        return new_block_ids, victims
+
+    def _step_data(self, request: Request,
+                   new_block_ids: list[int]) -> NewRequestData | CachedRequestData:
+        """What the workers are told of a scheduled running request. A beam they do
+        not hold as it is (a fork, or one whose partial block was just copied) is
+        sent whole."""
+        if request.beam is not None and not self._workers_hold(request):
+            return self._new_request_data(request, request.num_computed_tokens)
+        return CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens,
+                                 self._tokens_workers_lack(request))
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: "_Budget") -> None:
         # Requests whose LoRA adapter has no free slot keep their place; the ones
@@ -220,7 +255,7 @@ class Scheduler:
             request = self.waiting.peek()
             # A request preempted while its step was in flight resumes once that
             # step's token is in its output (all_token_ids is what it recomputes).
-            if not self._lora_slot_free(request) or request.num_output_placeholders:
+            if not self._lora_slot_free(request) or self._has_tokens_in_flight(request):
                 skipped.append(self.waiting.pop())
             elif not self._admit(request, output, budget):
                 break  # no KV room for the head: nothing behind it jumps ahead
@@ -229,6 +264,8 @@ class Scheduler:
 
     def _admit(self, request: Request, output: SchedulerOutput, budget: "_Budget") -> bool:
         """Schedules the waiting queue's head; False when the KV cache has no room."""
+        if request.beam is not None and len(request.beam.group.beams) > 1:
+            return self._readmit_beam_group(request.beam.group)
         kv = self.kv_cache_manager
         computed_blocks, num_cached = kv.get_computed_blocks(request)
         num_new = budget.grant(request.request_id, request.num_tokens - num_cached)
@@ -246,25 +283,31 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         request.record(Event.SCHEDULED)
-        output.new_requests.append(NewRequestData(
+        output.new_requests.append(self._new_request_data(request, num_cached))
+        output.num_scheduled_tokens[request.request_id] = num_new
+        return True
+
+    def _new_request_data(self, request: Request, num_computed: int) -> NewRequestData:
+        if request.beam is not None:
+            request.beam.known_to_workers = True
+        return NewRequestData(
             request_id=request.request_id,
             token_ids=list(request.all_token_ids),
             sampling_params=request.sampling_params,
-            block_ids=kv.block_ids(request.request_id),
-            num_computed_tokens=num_cached,
+            block_ids=self.kv_cache_manager.block_ids(request.request_id),
+            num_computed_tokens=num_computed,
             trace_headers=request.trace_headers,
             eos_token_ids=[] if request.sampling_params.ignore_eos
             else sorted(request.eos_token_ids),
             num_prompt_tokens=request.num_prompt_tokens, lora_id=request.lora_id,
-            pooling_params=request.pooling_params))
-        output.num_scheduled_tokens[request.request_id] = num_new
-        return True
+            pooling_params=request.pooling_params)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies stop conditions, frees finished requests."""
         outputs = []
         finished = False
+        beam_groups: dict[int, BeamGroup] = {}  # those whose beams sampled
         starts = {r.request_id: r.num_computed_tokens
                   for r in (*scheduler_output.new_requests, *scheduler_output.cached_requests)}
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -287,6 +330,10 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(request_id, [], None, request.num_cached_tokens,
                                                     prompt_logprobs=prompt_logprobs))
                 continue
+            if request.beam is not None:  # its group chooses the tokens, below
+                if self._keep_beam_result(request, runner_output.logprobs[request_id]):
+                    beam_groups[id(request.beam.group)] = request.beam.group
+                continue
             request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             if request.num_output_tokens == 1:
@@ -305,6 +352,9 @@ class Scheduler:
                                             events=request.events if reason else []))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
+        for group in beam_groups.values():
+            if group.all_results_in():
+                outputs += self._advance_beam_group(group)
         return outputs
 
     # ---- internals -------------------------------------------------------------
@@ -339,14 +389,15 @@ class Scheduler:
         only the last stage has it."""
         return request.num_output_placeholders > 0 and (
             self.pipeline_parallel_size > 1 or request.grammar is not None
+            or request.beam is not None  # its group's next tokens depend on them
             or request.in_flight_tokens_end_it(self.max_model_len))
 
     def _tokens_workers_lack(self, request: Request) -> list[int]:
         """Pipeline parallelism: the output tokens a scheduled cached request sends
         (see CachedRequestData.new_token_ids); none otherwise, where the workers
         append what they sample."""
-        if self.pipeline_parallel_size == 1:
-            return []
+        if self.pipeline_parallel_size == 1 and request.beam is None:
+            return []  # beams: the workers sampled a token, the group chose another
         start = max(request.num_computed_tokens, request.num_prompt_tokens)
         return list(request.all_token_ids[start:])
 
@@ -372,16 +423,22 @@ class Scheduler:
             self.waiting.remove(request)
             self.num_preempted -= request.status is RequestStatus.PREEMPTED
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
+    def _preempt(self, request: Request) -> list[Request]:
+        """Preempts a running request, or the whole beam group of a beam, to be
+        recomputed; returns the requests taken out of `running`."""
+        unit = self._preemption_unit(request)
+        for r in unit:
+            self.running.remove(r)
+            self.kv_cache_manager.free(r)
+            r.status = RequestStatus.PREEMPTED
+            r.record(Event.PREEMPTED, r.num_tokens)
+            r.num_computed_tokens = 0
         self.num_preempted += 1
-        request.record(Event.PREEMPTED, request.num_tokens)
-        request.num_computed_tokens = 0
-        self.waiting.prepend(request)
+        self.waiting.prepend(unit[0])  # a beam group's other beams wait with it
         self.num_preemptions += 1
         logger.info("preempted request %s (%d tokens) to free KV blocks",
-                    request.request_id, request.num_tokens)
+                    request.request_id, sum(r.num_tokens for r in unit))
+        return unit
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED

@@ -145,6 +145,8 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput) -> None:
         """Applies the step's diff to the persistent batch."""
         batch = self.input_batch
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy)
         for request_id in so.finished_request_ids:
             state = batch.remove(request_id)
             if state is not None and state.span is not None:
@@ -163,6 +165,14 @@ class ModelRunner:
                                         cached.new_token_ids)
             batch.append_blocks(cached.request_id, cached.new_block_ids)
             batch.set_num_computed(cached.request_id, cached.num_computed_tokens)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Beam search's copy-on-write, in every layer this worker holds. Each
+        backend's cache is [2 (keys, values), num_blocks, ...]: blocks are dim 1."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
 
     @staticmethod
     def _request_span(new: NewRequestData):
