@@ -19,6 +19,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 
 from services.common import convert
+from services.common.beam_search import BeamSearch
 from services.common.grpc_options import CHANNEL_OPTIONS
 from services.common.pb import inference_pb2, inference_pb2_grpc
 from services.common.pooling_params import PoolingParams
@@ -30,12 +31,14 @@ def build_generate_request(prompt: str | None = None, *, chat: list[dict] | None
                            sampling: SamplingParams | None = None,
                            request_id: str | None = None, priority: int = 0,
                            add_generation_prompt: bool = True, lora_name: str | None = None,
+                           beam_search: BeamSearch | None = None,
                            **sampling_kwargs) -> inference_pb2.GenerateRequest:
     params = dataclasses.replace(sampling or SamplingParams(output_kind=OutputKind.DELTA),
                                  **sampling_kwargs)
     request = inference_pb2.GenerateRequest(
         sampling_params=convert.sampling_params_to_proto(params), request_id=request_id,
-        priority=priority, lora_name=lora_name)
+        priority=priority, lora_name=lora_name,
+        beam_search=convert.beam_search_to_proto(beam_search))
     if prompt is not None:
         request.prompt = prompt
     if chat is not None:

@@ -7,9 +7,11 @@ import itertools
 
 from tqdm import tqdm
 
+from services.common.beam_search import BeamSearchParams
 from services.common.config import DEFAULT_MODEL
 from services.common.lora import LoRARequest
 from services.common.sampling_params import OutputKind, SamplingParams
+from llmserve.beam_search import BeamSearchOutput, to_beam_search_output
 from llmserve.engine_args import EngineArgs
 from llmserve.llm_engine import LLMEngine
 from llmserve.outputs import RequestOutput
@@ -44,6 +46,20 @@ class LLM:
         if is_single_prompt(prompts):
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm, lora_request)
+
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The best params.beam_width sequences of each prompt, best first, in the
+        prompts' order. The engine runs the beams of every prompt together, each
+        beam group as one unit, sharing its KV blocks (see the README)."""
+        self._check_runner("generate", "LLM.beam_search")
+        if is_single_prompt(prompts):
+            prompts = [prompts]
+        sampling, search = params.to_engine()
+        outputs = self._run(list(prompts), sampling, use_tqdm, lora_request, search)
+        tokenizer = self.get_tokenizer()
+        return [to_beam_search_output(o, params, tokenizer) for o in outputs]
 
     def embed(self, prompts: PromptType | list[PromptType],
               pooling_params: PoolingParams | list[PoolingParams] | None = None,
@@ -99,11 +115,11 @@ class LLM:
         return self._run(list(conversations), sampling_params, use_tqdm)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, beam_search=None) -> list[RequestOutput]:
         # Sampling params, or pooling params (encode and embed).
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "params")
         loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
-        ids = self._add_all(prompts, params, loras)
+        ids = self._add_all(prompts, params, loras, beam_search)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while self.llm_engine.has_unfinished_requests():
@@ -114,7 +130,7 @@ class LLM:
         return [finished[i] for i in ids]
 
     def _add_all(self, prompts: list, params: list[SamplingParams | PoolingParams],
-                 loras: list[LoRARequest | None]) -> list[str]:
+                 loras: list[LoRARequest | None], beam_search=None) -> list[str]:
         """Queues every prompt, or none if one is refused."""
         ids: list[str] = []
         try:
@@ -122,7 +138,8 @@ class LLM:
                 request_id = str(next(self._request_counter))
                 if isinstance(sp, SamplingParams):  # only final outputs are read
                     sp = dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, sp, lora_request=lora)
+                self.llm_engine.add_request(request_id, prompt, sp, lora_request=lora,
+                                            beam_search=beam_search)
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)

@@ -9,6 +9,7 @@ from typing import Iterable
 
 import torch
 
+from services.common.beam_search import BeamSearch
 from services.common.config import EngineConfig
 from services.common.errors import AlreadyExists
 from services.common.lora import LoRARequest
@@ -93,10 +94,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> None:
-        """Queues a request: generation with SamplingParams, pooling with
-        PoolingParams. Raises InvalidArgument naming a bad field, and adds nothing
-        then: with n > 1, either every choice is queued or none."""
+                    lora_request: LoRARequest | None = None,
+                    beam_search: BeamSearch | None = None) -> None:
+        """Queues a request: generation with SamplingParams (beam search with a
+        BeamSearch too), pooling with PoolingParams. Raises InvalidArgument naming
+        a bad field, and adds nothing then: with n > 1, either every choice is
+        queued or none."""
         if request_id in self.output_processor.requests or request_id in self._pooling:
             raise AlreadyExists(f"request_id {request_id!r} is still running")
         if isinstance(params, PoolingParams):
@@ -104,7 +107,7 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_ids = self.processor.tokenize(**input_kwargs(prompt))
         engine_requests = self.processor.make_requests(request_id, prompt_ids, params, {},
-                                                       priority, lora_request)
+                                                       priority, lora_request, beam_search)
         added: list[str] = []
         try:
             for engine_request in engine_requests:
@@ -116,7 +119,8 @@ class LLMEngine:
         # arrival_time is wall-clock time, as vLLM takes it; timings are monotonic.
         arrival = None if arrival_time is None else time.monotonic() - (time.time() - arrival_time)
         self.output_processor.add_request(request_id, prompt_text(prompt), prompt_ids, params,
-                                          added, arrival)
+                                          added, arrival,
+                                          beam_search.beam_width if beam_search else 0)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
                              priority: int, lora_request: LoRARequest | None) -> None:

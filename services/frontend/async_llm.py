@@ -17,6 +17,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.common import tracing
+from services.common.beam_search import BeamSearch
 from services.common.errors import (FailedPrecondition, InvalidArgument, LLMServeError,
                                     Unavailable, request_id_in_use)
 from services.common.pooling_params import PoolingParams
@@ -60,6 +61,8 @@ class RequestOptions:
     lora_name: str | None = None
     # The caller's trace context (from gRPC metadata or HTTP headers).
     trace_context: otel_context.Context | None = None
+    # Beam search instead of sampling; None: sampling.
+    beam_search: BeamSearch | None = None
     attributes: dict = field(default_factory=dict)  # extra span attributes
 
 
@@ -111,10 +114,12 @@ class AsyncLLM:
                 prompt_ids = await self.tokenize(prompt)
                 engine_requests = self.processor.make_requests(
                     request_id, prompt_ids, params, tracing.current_trace_headers(),
-                    options.priority, lora)
+                    options.priority, lora, options.beam_search)
+                beams = options.beam_search
                 state = self.output_processor.add_request(
                     request_id, prompt.prompt, prompt_ids, params,
-                    [r.request_id for r in engine_requests], arrival_time)
+                    [r.request_id for r in engine_requests], arrival_time,
+                    beams.beam_width if beams else 0)
             async for output in self._outputs(engine_requests, span):
                 yield output
             outcome = ",".join(str(c.finish_reason) for c in state.choices)

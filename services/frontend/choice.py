@@ -55,6 +55,8 @@ class ChoiceState:
     num_cached_tokens: int = 0
     # True once a stop string ended the choice: the engine request must be aborted.
     stopped_by_string: bool = False
+    # Beam search: the beam's cumulative logprob, reported with or without logprobs.
+    beam_cumulative_logprob: float | None = None
     _sent_text: int = 0
     _sent_tokens: int = 0
 
@@ -140,7 +142,9 @@ class ChoiceState:
         output = ChoiceOutput(
             index=self.index, text=text, token_ids=tokens,
             logprobs=logprobs if wants_logprobs else None,
-            cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
+            cumulative_logprob=(self.beam_cumulative_logprob
+                                if self.beam_cumulative_logprob is not None
+                                else self.cumulative_logprob if wants_logprobs else None),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             num_generated_tokens=len(self.token_ids), num_cached_tokens=self.num_cached_tokens)
         if self.finished:

@@ -44,6 +44,8 @@ class RequestState:
     params: SamplingParams
     choices: list[ChoiceState]
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    # Beam search: one engine request, whose last output finishes every choice.
+    beam_search: bool = False
     _sent_prompt_logprobs: bool = False
 
     @property
@@ -92,16 +94,20 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, engine_request_ids: list[str],
-                    arrival_time: float | None = None) -> RequestState:
-        """Starts tracking a request whose n choices are the given engine requests.
+                    arrival_time: float | None = None, beam_width: int = 0) -> RequestState:
+        """Starts tracking a request whose n choices are the given engine requests,
+        or, with a beam_width, whose beams the one engine request returns.
         arrival_time (time.monotonic()) dates its timings; default: now."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if beam_width:
+            engine_request_ids = engine_request_ids * beam_width
         choices = [ChoiceState(i, engine_id, params, IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens), arrival_time=arrival_time)
             for i, engine_id in enumerate(engine_request_ids)]
-        state = RequestState(request_id, prompt, prompt_token_ids, params, choices)
+        state = RequestState(request_id, prompt, prompt_token_ids, params, choices,
+                             beam_search=beam_width > 0)
         self.requests[request_id] = state
-        for choice in choices:
+        for choice in reversed(choices):  # beam search: all one engine id, choice 0's
             self._choice_of[choice.engine_request_id] = (state, choice.index)
         return state
 
@@ -117,11 +123,12 @@ class OutputProcessor:
             if state is None:  # aborted, or its choice already ended by a stop string
                 continue
             changes = reported.setdefault(state.request_id, {})
-            choice_output = self._apply_and_measure(state, index, engine_output)
-            if choice_output is not None:
-                changes[index] = choice_output
-            if state.choices[index].stopped_by_string:
-                to_abort.append(engine_output.request_id)
+            for i, output in _per_choice(state, index, engine_output):
+                choice_output = self._apply_and_measure(state, i, output)
+                if choice_output is not None:
+                    changes[i] = choice_output
+                if state.choices[i].stopped_by_string:
+                    to_abort.append(engine_output.request_id)
         outputs = []
         for request_id, changes in reported.items():
             state = self.requests[request_id]
@@ -138,7 +145,8 @@ class OutputProcessor:
         if state is None:
             return []
         self._forget(state)
-        return [c.engine_request_id for c in state.choices if not c.finished]
+        # dict.fromkeys: a beam-search request's choices share one engine id.
+        return list(dict.fromkeys(c.engine_request_id for c in state.choices if not c.finished))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -170,3 +178,21 @@ class OutputProcessor:
         self.requests.pop(state.request_id, None)
         for choice in state.choices:
             self._choice_of.pop(choice.engine_request_id, None)
+
+
+def _per_choice(state: RequestState, index: int,
+                engine_output: EngineCoreOutput) -> list[tuple[int, EngineCoreOutput]]:
+    """The engine output as each choice it concerns sees it. A beam-search request's
+    only output finishes every choice: choice i with beam i (the best first), and
+    choices beyond the beams that finished are dropped."""
+    if not state.beam_search:
+        return [(index, engine_output)]
+    beams = engine_output.beams
+    if not beams:  # aborted
+        return [(choice.index, engine_output) for choice in state.choices]
+    del state.choices[len(beams):]
+    for choice, beam in zip(state.choices, beams):
+        choice.beam_cumulative_logprob = beam.cum_logprob
+    return [(i, EngineCoreOutput(engine_output.request_id, beam.token_ids, beam.finish_reason,
+                                 engine_output.num_cached_tokens, new_logprobs=beam.logprobs))
+            for i, beam in enumerate(beams)]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from services.common.beam_search import BeamSearch
 from services.common.errors import InvalidArgument
 from services.common.lora import LoRARequest
 from services.common.pooling_params import PoolingParams, truncate_prompt
@@ -52,17 +53,26 @@ class Processor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int],
                       sampling_params: SamplingParams, trace_headers: dict[str, str],
-                      priority: int = 0, lora_request: LoRARequest | None = None
-                      ) -> list[EngineCoreRequest]:
+                      priority: int = 0, lora_request: LoRARequest | None = None,
+                      beam_search: BeamSearch | None = None) -> list[EngineCoreRequest]:
         """One engine request per choice. With n > 1 they share the prompt, so all
         but the first find its KV in the prefix cache; seeded choices get seed + i,
-        so the n completions differ yet are reproducible."""
+        so the n completions differ yet are reproducible. Beam search is one engine
+        request, whatever its width."""
         sampling_params.validate(self.engine_info.vocab_size)
+        if beam_search is not None:
+            beam_search.validate(sampling_params)
         max_len = self.engine_info.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise InvalidArgument("input", f"the prompt has {len(prompt_token_ids)} tokens; the "
                                   f"model's max_model_len is {max_len} (prompt + output)")
         sampling_params = self._resolve(sampling_params, len(prompt_token_ids))
+        if beam_search is not None:
+            return [EngineCoreRequest(
+                request_id, prompt_token_ids, sampling_params, eos_token_ids=self.eos_token_ids,
+                trace_headers=trace_headers, priority=priority,
+                queue_slots=beam_search.beam_width, lora_request=lora_request,
+                beam_search=beam_search)]
         n = sampling_params.n
         return [EngineCoreRequest(
             request_id=request_id if n == 1 else f"{request_id}-{i}",

@@ -28,6 +28,8 @@ def generate_responses(output: GenerationOutput) -> list[inference_pb2.GenerateR
 def _set_final_fields(response: inference_pb2.GenerateResponse, choice: ChoiceOutput,
                       num_prompt_tokens: int) -> None:
     response.finish_reason = int(choice.finish_reason)
+    if choice.cumulative_logprob is not None:
+        response.cumulative_logprob = choice.cumulative_logprob
     if isinstance(choice.stop_reason, str):
         response.stop_string = choice.stop_reason
     elif choice.stop_reason is not None:

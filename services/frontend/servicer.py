@@ -22,7 +22,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         options = RequestOptions(
             priority=request.priority,
             lora_name=request.lora_name if request.HasField("lora_name") else None,
-            trace_context=tracing.context_from_metadata(context.invocation_metadata()))
+            trace_context=tracing.context_from_metadata(context.invocation_metadata()),
+            beam_search=convert.beam_search_from_proto(request))
         async for output in self.llm.generate(_input_of(request), params, request_id, options):
             for response in generate_responses(output):
                 yield response

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions over AsyncLLM."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import AsyncIterator
@@ -27,6 +28,7 @@ class ChatCompletions:
                              add_generation_prompt=body.add_generation_prompt)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = C.sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
+        options = dataclasses.replace(options, beam_search=C.beam_search(body))
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         outputs = run_prompts(self.llm, [prompt], params, request_id, options)
         if not body.stream:

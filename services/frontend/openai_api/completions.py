@@ -1,6 +1,7 @@
 """POST /v1/completions over AsyncLLM."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import AsyncIterator
@@ -25,6 +26,7 @@ class Completions:
                      options: RequestOptions) -> P.CompletionResponse | StreamingResponse:
         prompts = C.completion_prompts(body.prompt)
         params = C.sampling_params(body, body.max_tokens, body.logprobs)
+        options = dataclasses.replace(options, beam_search=C.beam_search(body))
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         outputs = run_prompts(self.llm, prompts, params, request_id, options)
         if not body.stream:

@@ -2,6 +2,7 @@
 outputs -> OpenAI response pieces. The only place HTTP bodies are converted."""
 from __future__ import annotations
 
+from services.common.beam_search import BeamSearch
 from services.common.errors import InvalidArgument
 from services.common.request_types import Logprobs
 from services.common.sampling_params import OutputKind, SamplingParams
@@ -20,7 +21,8 @@ def sampling_params(request: P.SamplingFields, max_tokens: int | None,
                 "top_k": request.top_k, "min_p": request.min_p,
                 "repetition_penalty": request.repetition_penalty}
     return SamplingParams(
-        n=request.n, max_tokens=max_tokens, seed=request.seed, stop=request.stop,
+        n=1 if request.use_beam_search else request.n,  # with beam search n is its width
+        max_tokens=max_tokens, seed=request.seed, stop=request.stop,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs,
         min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
@@ -30,6 +32,17 @@ def sampling_params(request: P.SamplingFields, max_tokens: int | None,
         bad_words=request.bad_words, structured_outputs=_structured_outputs(request),
         output_kind=OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY,
         **{k: v for k, v in optional.items() if v is not None})
+
+
+def beam_search(request: P.SamplingFields) -> BeamSearch | None:
+    """vLLM's use_beam_search: n beams, scored with length_penalty; refused with
+    stream, as vLLM does (the beams are known only at the end)."""
+    if not request.use_beam_search:
+        return None
+    if request.stream:
+        raise InvalidArgument("stream", "streaming is not supported with use_beam_search; "
+                              "set stream to false")
+    return BeamSearch(request.n, request.length_penalty)
 
 
 def _structured_outputs(request: P.SamplingFields) -> StructuredOutputsParams | None:

@@ -81,6 +81,9 @@ class SamplingFields(Request):
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Beam search, with n beams; not with stream (vLLM's extra fields).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingFields):
