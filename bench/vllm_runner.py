@@ -3,7 +3,8 @@ venv's python: `python -I vllm_runner.py SPEC.json OUT.json`.
 
 It imports only vllm, the standard library and json (never llmserve or bench
 code: it runs in another venv). The spec holds the bench's own token-id prompts
-(and, with task "embed", asks for LLM.embed rounds on a pooling runner instead);
+(and, with task "embed", asks for LLM.embed rounds on a pooling runner instead;
+with task "beam", for LLM.beam_search);
 the output holds raw figures (seconds, token counts, per-token timestamps) that
 the bench summarizes with its own code."""
 from __future__ import annotations
@@ -155,11 +156,43 @@ def run_embed(spec: dict) -> dict:
             "seconds": [r["seconds"] for r in rounds], "embeddings": rounds[-1]["embeddings"]}
 
 
+def beam_search(llm, prompts: list[list[int]], spec: dict) -> dict:
+    """All prompts through one LLM.beam_search call; each prompt's best beam comes
+    back for the bench to compare with llmserve's."""
+    from vllm.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=spec["beam_width"], max_tokens=spec["max_tokens"],
+                              ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "best": [o.sequences[0].tokens for o in outputs]}
+
+
+def run_beam(spec: dict) -> dict:
+    """Load (prefix caching on: vLLM's beam search reuses each beam's prefix through
+    it), warm up, then one LLM.beam_search call over the spec's prompts."""
+    from vllm import LLM
+
+    phases: dict[str, float] = {}
+    llm = _timed(phases, "load (and compile)", lambda: LLM(
+        model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"], enable_prefix_caching=True, seed=spec["seed"],
+        disable_log_stats=True))
+    _timed(phases, "warm-up", beam_search, llm, spec["warmup"], spec)
+    result = _timed(phases, f"beam search, {len(spec['prompts'])} prompts", beam_search, llm,
+                    spec["prompts"], spec)
+    return {"meta": describe(llm), "phases": phases, **result}
+
+
+TASKS = {"embed": run_embed, "beam": run_beam}
+
+
 def main(argv: list[str]) -> None:
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
-    result = run_embed(spec) if spec.get("task") == "embed" else run(spec)
+    result = TASKS.get(spec.get("task"), run)(spec)
     with open(out_path, "w") as f:
         json.dump(result, f)
     log("done")

