@@ -122,9 +122,10 @@ class Processor:
         if not token_ids and not allow_empty:
             raise InvalidArgument("token_ids", "is empty")
         vocab = self.engine_info.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        # Offline callers may pass anything: a non-integer is refused, not a TypeError.
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidArgument("token_ids", f"{bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidArgument("token_ids", f"{bad!r} is not a token id in [0, {vocab})")
 
     def _render_chat(self, chat: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         if not chat:

@@ -61,7 +61,7 @@ def test_streaming_and_bad_widths_are_refused(client, stack):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=11,
                                   extra_body={"use_beam_search": True})
-    assert "beam_width" in str(err.value)
+    assert "is the beam width with use_beam_search: at most 10" in str(err.value)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2,
                                   extra_body={"use_beam_search": True, "min_tokens": 2})

@@ -216,14 +216,26 @@ def test_a_stage_killed_mid_stream_loses_nothing(tiny_model_dir, tmp_path):
         kill_a_worker_mid_stream(stack, PROMPTS[0], 200)
 
 
-def test_the_offline_api_splits_the_default_model_into_two_stages(model_dir):
+def test_the_offline_api_splits_the_default_model_into_two_stages(model_dir, hf_model,
+                                                                  tokenizer):
     """LLM(pipeline_parallel_size=2) starts a worker process per stage (15 of the
-    default model's 30 layers each) and gives the one-stage greedy tokens."""
+    default model's 30 layers each) and gives the one-stage greedy tokens; beam
+    search, whose forks each stage copies for its own layers, gives transformers'
+    beams."""
+    from llmserve.sampling_params import BeamSearchParams
+    from tests.integration.test_beam_search import hf_beams
+
     prompts = PROMPTS[:2]
     llm = LLM(model_dir, dtype="float32", max_model_len=512, pipeline_parallel_size=2)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                    ignore_eos=True), use_tqdm=False)
     assert llm.llm_engine.engine_core.queue_depth() == 2
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    beams = llm.beam_search([{"prompt_token_ids": p} for p in prompt_ids],
+                            BeamSearchParams(beam_width=3, max_tokens=8))
+    for ids, output in zip(prompt_ids, beams):
+        assert all(s.finish_reason == "length" for s in output.sequences)
+        assert [s.tokens[len(ids):] for s in output.sequences] == hf_beams(hf_model, ids, 3, 8)
     del llm
     assert [list(o.outputs[0].token_ids) for o in outputs] == one_stage_greedy(
         model_dir, prompts, MAX_TOKENS)

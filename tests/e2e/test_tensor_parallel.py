@@ -9,6 +9,7 @@ import pytest
 
 from llmserve.client import Client
 from llmserve.launcher import LocalStack
+from services.common.beam_search import BeamSearch
 from services.common.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                                     ParallelConfig)
 from tests.e2e.conftest import address, kill_a_worker_mid_stream, wait_all_blocks_free
@@ -46,6 +47,10 @@ def greedy_outputs(model: str, tp: int, log_dir: Path, lora_dir: str = "",
             # must lay out in the same order.
             with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
                 assert list(pool.map(greedy, PROMPTS)) == outputs[:len(PROMPTS)]
+            # Three beams: every rank copies the forks' shared blocks (its heads).
+            outputs += [list(r.token_ids) for r in client.generate(
+                PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True,
+                beam_search=BeamSearch(3))]
         wait_all_blocks_free(stack)
     return outputs
 
@@ -60,11 +65,12 @@ def test_tp2_greedy_equals_tp1_with_and_without_a_lora_adapter(tiny_model_dir, t
     (tmp_path / "tp2").mkdir()
     single = greedy_outputs(tiny_model_dir, 1, tmp_path / "tp1", lora_dir, "tiny-adapter")
     split = greedy_outputs(tiny_model_dir, 2, tmp_path / "tp2", lora_dir, "tiny-adapter")
-    assert all(len(o) == 16 for o in single)
+    assert len(single) == 2 * len(PROMPTS) + 3 and all(len(o) == 16 for o in single)
     assert split == single
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    assert single[len(PROMPTS):] == peft_greedy(tiny_model_dir, lora_dir, prompts, 16)
-    assert single[len(PROMPTS):] != single[:len(PROMPTS)]
+    with_adapter = single[len(PROMPTS):2 * len(PROMPTS)]
+    assert with_adapter == peft_greedy(tiny_model_dir, lora_dir, prompts, 16)
+    assert with_adapter != single[:len(PROMPTS)]
 
 
 def test_one_rank_killed_resets_the_group_and_loses_nothing(tiny_model_dir, tmp_path):

@@ -50,6 +50,8 @@ def test_generate_takes_every_prompt_form(llm, tokenizer, hf_model):
     assert mixed[2].outputs[0].finish_reason == "length"
     with pytest.raises(InvalidArgument, match="prompt_token_ids"):
         llm.generate({"text": "wrong key"}, use_tqdm=False)
+    with pytest.raises(InvalidArgument, match="'x' is not a token id"):
+        llm.generate({"prompt_token_ids": [1, "x"]}, use_tqdm=False)
 
 
 def test_chat_takes_one_or_many_conversations(llm, tokenizer, hf_model):

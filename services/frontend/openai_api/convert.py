@@ -2,7 +2,7 @@
 outputs -> OpenAI response pieces. The only place HTTP bodies are converted."""
 from __future__ import annotations
 
-from services.common.beam_search import BeamSearch
+from services.common.beam_search import MAX_BEAM_WIDTH, BeamSearch
 from services.common.errors import InvalidArgument
 from services.common.request_types import Logprobs
 from services.common.sampling_params import OutputKind, SamplingParams
@@ -42,6 +42,9 @@ def beam_search(request: P.SamplingFields) -> BeamSearch | None:
     if request.stream:
         raise InvalidArgument("stream", "streaming is not supported with use_beam_search; "
                               "set stream to false")
+    if request.n > MAX_BEAM_WIDTH:
+        raise InvalidArgument("n", f"is the beam width with use_beam_search: at most "
+                              f"{MAX_BEAM_WIDTH}")
     return BeamSearch(request.n, request.length_penalty)
 
 
