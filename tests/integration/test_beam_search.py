@@ -25,8 +25,10 @@ from tests.integration.tiny_models import write_tiny_llama
 from tests.lora_adapters import ALL_PROJECTIONS, build_adapter
 
 SMALL = dict(dtype="float32", max_model_len=512, kv_cache_gib=0.25)
-QUESTIONS = ["What is 2+2?", "Say hi.", "Name a color.", "What is the capital of France?",
+# Short answers: beams end at EOS well within EOS_TOKENS.
+QUESTIONS = ["What is 2+2?", "Name a color.", "What is the capital of France?",
              "Reply with one word: yes or no."]
+EOS_TOKENS = 32
 
 
 def hf_beams(model, prompt_ids: list[int], width: int, max_tokens: int,
@@ -80,19 +82,19 @@ def test_beams_equal_transformers_when_every_beam_runs_to_max_tokens(llm, hf_mod
 @pytest.mark.parametrize("width", [2, 3, 4])
 def test_beams_equal_transformers_with_eos_when_length_does_not_count(llm, hf_model,
                                                                      chat_prompts, width):
-    ours, outputs = our_beams(llm, chat_prompts, width, max_tokens=40, length_penalty=0.0)
+    ours, outputs = our_beams(llm, chat_prompts, width, EOS_TOKENS, length_penalty=0.0)
     assert any(s.finish_reason == "stop" for o in outputs for s in o.sequences)
     for prompt, beams in zip(chat_prompts, ours):
-        assert beams == hf_beams(hf_model, prompt, width, 40, length_penalty=0.0)
+        assert beams == hf_beams(hf_model, prompt, width, EOS_TOKENS, length_penalty=0.0)
 
 
 def test_with_eos_each_library_orders_the_beams_by_its_own_length_rule(llm, hf_model,
                                                                        chat_prompts):
     """The rule where the searches differ: vLLM's (and our) length normalization."""
     width, differing = 2, 0
-    ours, outputs = our_beams(llm, chat_prompts, width, max_tokens=40)
+    ours, outputs = our_beams(llm, chat_prompts, width, EOS_TOKENS)
     for prompt, beams, output in zip(chat_prompts, ours, outputs):
-        theirs = hf_beams(hf_model, prompt, width, 40)
+        theirs = hf_beams(hf_model, prompt, width, EOS_TOKENS)
         scores = [beam_score(len(s.tokens), s.cum_logprob, 1.0) for s in output.sequences]
         assert scores == sorted(scores, reverse=True)
         if sorted(beams) != sorted(theirs):
