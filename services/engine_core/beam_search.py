@@ -135,7 +135,7 @@ class BeamGroup:
             stop = next((s for s in params.stop if s in text), None)
             if stop is not None:
                 return FinishReason.STOP, stop
-        if beam._at_length_limit(max_model_len, 1):
+        if beam.at_length_limit(max_model_len, 1):
             return FinishReason.LENGTH, None
         return None, None
 

@@ -108,9 +108,9 @@ class Request:
         """Its in-flight tokens take it to max_tokens or max_model_len: no step after
         them can add one."""
         pending = self.num_output_placeholders
-        return pending > 0 and self._at_length_limit(max_model_len, pending)
+        return pending > 0 and self.at_length_limit(max_model_len, pending)
 
-    def _at_length_limit(self, max_model_len: int, extra_tokens: int = 0) -> bool:
+    def at_length_limit(self, max_model_len: int, extra_tokens: int = 0) -> bool:
         """Whether extra_tokens more take it to max_tokens or max_model_len."""
         return (self.num_output_tokens + extra_tokens >= self.sampling_params.max_tokens
                 or self.num_tokens + extra_tokens >= max_model_len)
@@ -137,6 +137,6 @@ class Request:
         # NOTE: the sampler masks EOS and stop ids until min_tokens is reached.
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP
-        if self._at_length_limit(max_model_len):
+        if self.at_length_limit(max_model_len):
             return FinishReason.LENGTH
         return None
