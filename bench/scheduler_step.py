@@ -36,7 +36,7 @@ def make_running_scheduler(num_requests: int, steps: int, policy: str,
 
 def step(scheduler: Scheduler):
     so = scheduler.schedule()
-    sampled = {r: 42 for r in so.num_scheduled_tokens}
+    sampled = {r: [42] for r in so.num_scheduled_tokens}
     scheduler.update_from_output(so, ModelRunnerOutput(sampled))
     return so
 

@@ -11,15 +11,22 @@ from __future__ import annotations
 import dataclasses
 
 from services.common.config import EngineConfig
-from services.common.setting import OFFLINE, build_config, close_matches, declared_settings
+from services.common.setting import (OFFLINE, build_config, close_matches, declared_settings,
+                                     setting_groups)
 from services.common.vllm_names import unsupported_vllm_argument
 
 _SETTINGS = [s for s in declared_settings(EngineConfig) if OFFLINE in s.meta.scopes]
+# Settings given as keys of a dict argument (vLLM's speculative_config), by its name.
+_GROUPS = setting_groups(_SETTINGS)
 
 
 def _docstring() -> str:
     lines = [f"    {s.arg} ({s.user_type.__name__}, default {s.user_default(OFFLINE)!r}): "
-             f"{s.meta.help}" for s in _SETTINGS]
+             f"{s.meta.help}" for s in _SETTINGS if s.group is None]
+    for group, members in _GROUPS.items():
+        lines.append(f"    {group} (dict, default None): keys " + "; ".join(
+            f"{s.arg} ({s.user_type.__name__}, default {s.user_default(OFFLINE)!r}): "
+            f"{s.meta.help}" for s in members))
     return "vLLM-style engine arguments; create_engine_config() builds the config.\n\n" \
         + "\n".join(lines)
 
@@ -35,7 +42,9 @@ def _validate(self) -> None:
 
 _EngineArgsFields = dataclasses.make_dataclass(
     "EngineArgs",
-    [(s.arg, s.user_type, dataclasses.field(default=s.user_default(OFFLINE))) for s in _SETTINGS],
+    [(s.arg, s.user_type, dataclasses.field(default=s.user_default(OFFLINE)))
+     for s in _SETTINGS if s.group is None]
+    + [(group, dict | None, dataclasses.field(default=None)) for group in _GROUPS],
     namespace={"create_engine_config": _create_engine_config, "__post_init__": _validate,
                "__doc__": _docstring()})
 
@@ -73,7 +82,7 @@ def pooler_settings(pooler_config) -> dict:
 def check_engine_arg_names(kwargs: dict) -> None:
     """ValueError for a vLLM argument llmserve lacks, TypeError for any other
     unknown name."""
-    known = {s.arg for s in _SETTINGS}
+    known = {s.arg for s in _SETTINGS if s.group is None} | set(_GROUPS)
     for name in kwargs:
         if name in known:
             continue

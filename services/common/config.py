@@ -148,6 +148,82 @@ class StructuredOutputsConfig:
         "request refused (INVALID_ARGUMENT)", arg="structured_outputs_compile_timeout")
 
 
+# vLLM's dict argument that holds the SpeculativeConfig settings.
+SPECULATIVE_CONFIG = "speculative_config"
+SPECULATIVE_METHODS = ("", "ngram", "suffix", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (services/worker/spec_decode/), given as vLLM's
+    speculative_config: {"method": "ngram", "num_speculative_tokens": 4, ...}."""
+
+    method: str = setting(
+        "", "how drafts are proposed: ngram (the latest earlier occurrence of the "
+        "sequence's last tokens, in its prompt and output), suffix (suffix decoding: the most "
+        "frequent continuation in this request and in earlier requests' outputs), "
+        "draft_model (a smaller model sharing the tokenizer); empty: off", vllm=True,
+        group=SPECULATIVE_CONFIG, choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(
+        0, "the most draft tokens a request verifies per step (0 with a method: 4)",
+        vllm=True, group=SPECULATIVE_CONFIG)
+    prompt_lookup_min: int = setting(
+        0, "ngram: the shortest suffix matched (0: as prompt_lookup_max, else 5)", vllm=True,
+        group=SPECULATIVE_CONFIG)
+    prompt_lookup_max: int = setting(
+        0, "ngram: the longest suffix matched (0: as prompt_lookup_min, else 5)", vllm=True,
+        group=SPECULATIVE_CONFIG)
+    model: str = setting(
+        "", "draft_model: the draft's name, HF directory or GGUF file; it must share the "
+        "target's tokenizer", vllm=True, group=SPECULATIVE_CONFIG)
+    disable_by_batch_size: int = setting(
+        8, "no drafts while this many requests or more are running: verifying drafts costs "
+        "compute a busy batch has no spare of (0: never)", vllm=True, group=SPECULATIVE_CONFIG)
+    suffix_decoding_max_cached_requests: int = setting(
+        1000, "suffix: how many finished requests' outputs are kept to draft from", vllm=True,
+        group=SPECULATIVE_CONFIG)
+    suffix_decoding_min_token_prob: float = setting(
+        0.1, "suffix: a draft ends at a token whose frequency among the matched "
+        "continuations is below this", vllm=True, group=SPECULATIVE_CONFIG)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.method)
+
+    @property
+    def num_tokens(self) -> int:
+        """Draft tokens per request and step, the default filled in."""
+        return self.num_speculative_tokens or 4
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """ngram's (shortest, longest) suffix, vLLM's defaults filled in."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        return (low or high or 5, high or low or 5)
+
+    def check(self) -> None:
+        """ValueError naming the key to change, for values no method can run with."""
+        name = SPECULATIVE_CONFIG
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                    "disable_by_batch_size", "suffix_decoding_max_cached_requests"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{name}.{key} must be >= 0; got {getattr(self, key)}")
+        if not self.enabled:
+            if self != SpeculativeConfig():
+                raise ValueError(f"{name} needs a method ({', '.join(SPECULATIVE_METHODS[1:])})")
+            return
+        low, high = self.lookup_range
+        if low > high:
+            raise ValueError(f"{name}.prompt_lookup_min ({low}) must be <= prompt_lookup_max "
+                             f"({high})")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError(f"{name}.model names the draft model, and only method "
+                             f"'draft_model' takes one; got method {self.method!r}, model "
+                             f"{self.model!r}")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError(f"{name}.suffix_decoding_min_token_prob must be in [0, 1]")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -156,3 +232,4 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

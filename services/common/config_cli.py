@@ -4,10 +4,12 @@ a config in a child process."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from services.common.config import EngineConfig
-from services.common.setting import CLI, DeclaredSetting, build_config, declared_settings
+from services.common.setting import (CLI, DeclaredSetting, build_config, declared_settings,
+                                     setting_groups)
 from services.common.vllm_names import unsupported_vllm_argument
 
 
@@ -16,9 +18,23 @@ def cli_settings() -> list[DeclaredSetting]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """A flag per engine setting; read back with engine_config_from_args."""
+    """A flag per engine setting, and one per group of them (a JSON object); read
+    back with engine_config_from_args."""
     for s in cli_settings():
-        add_setting_flag(parser, s)
+        if s.group is None:
+            add_setting_flag(parser, s)
+    for group, members in setting_groups(cli_settings()).items():
+        keys = "; ".join(f"{s.arg}: {s.meta.help} (default: {_shown(s.user_default(CLI))})"
+                         for s in members)
+        parser.add_argument("--" + group.replace("_", "-"), dest=group, default=None,
+                            type=_json_object, metavar="JSON", help=f"a JSON object. {keys}")
+
+
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text}")
+    return value
 
 
 def add_model_flag(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +74,8 @@ def _shown(default: Any) -> str:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return build_config(EngineConfig, {s.arg: getattr(args, s.arg) for s in cli_settings()})
+    return build_config(EngineConfig, {s.group or s.arg: getattr(args, s.group or s.arg)
+                                       for s in cli_settings()})
 
 
 def engine_args_to_argv(config: EngineConfig) -> list[str]:
@@ -66,12 +83,16 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
     explicitly, so that the child's defaults do not matter (--flag=value: a value
     may start with a dash)."""
     argv: list[str] = []
+    groups: dict[str, dict] = {}
     for s in cli_settings():
         value = s.to_user(getattr(getattr(config, s.section), s.name))
-        if s.type is bool:
+        if s.group is not None:
+            groups.setdefault(s.group, {})[s.arg] = value
+        elif s.type is bool:
             argv.append(s.flag if value else f"--no-{s.flag[2:]}")
         else:
             argv.append(f"{s.flag}={repr(value) if isinstance(value, float) else value}")
+    argv += [f"--{group.replace('_', '-')}={json.dumps(values)}" for group, values in groups.items()]
     return argv
 
 

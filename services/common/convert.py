@@ -291,7 +291,9 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
         num_scheduled_tokens=so.num_scheduled_tokens,
         finished_request_ids=so.finished_request_ids,
         grammar_bitmasks={r: m.astype("<i4").tobytes() for r, m in so.grammar_bitmasks.items()},
-        blocks_to_copy=[worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in so.blocks_to_copy])
+        blocks_to_copy=[worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in so.blocks_to_copy],
+        scheduled_spec_decode_tokens={r: worker_pb2.TokenIds(token_ids=t)
+                                      for r, t in so.scheduled_spec_decode_tokens.items()})
 
 
 def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutput:
@@ -316,31 +318,31 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
         finished_request_ids=list(pb.finished_request_ids),
         grammar_bitmasks={r: np.frombuffer(m, dtype="<i4").astype(np.int32)
                           for r, m in pb.grammar_bitmasks.items()},
-        blocks_to_copy=[(c.src, c.dst) for c in pb.blocks_to_copy])
+        blocks_to_copy=[(c.src, c.dst) for c in pb.blocks_to_copy],
+        scheduled_spec_decode_tokens={r: list(t.token_ids)
+                                      for r, t in pb.scheduled_spec_decode_tokens.items()})
 
 
 def model_runner_output_to_proto(o: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
     outputs = []
     for request_id in {**o.sampled_token_ids, **o.prompt_logprobs, **o.pooled}:
-        pb = worker_pb2.RequestStepOutput(
-            request_id=request_id,
+        outputs.append(worker_pb2.RequestStepOutput(
+            request_id=request_id, sampled_token_ids=o.sampled_token_ids.get(request_id),
+            logprobs=[logprobs_to_proto(lp) for lp in o.logprobs.get(request_id, [])],
             prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs.get(request_id, [])],
-            pooled=o.pooled.get(request_id))
-        if request_id in o.sampled_token_ids:
-            pb.sampled_token_id = o.sampled_token_ids[request_id]
-        if request_id in o.logprobs:
-            pb.logprobs.CopyFrom(logprobs_to_proto(o.logprobs[request_id]))
-        outputs.append(pb)
+            pooled=o.pooled.get(request_id), spec_token_ids=o.spec_token_ids.get(request_id)))
     return worker_pb2.ModelRunnerOutput(outputs=outputs)
 
 
 def model_runner_output_from_proto(pb: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
     output = ModelRunnerOutput()
     for r in pb.outputs:
-        if r.HasField("sampled_token_id"):
-            output.sampled_token_ids[r.request_id] = r.sampled_token_id
-        if r.HasField("logprobs"):
-            output.logprobs[r.request_id] = logprobs_from_proto(r.logprobs)
+        if r.sampled_token_ids:
+            output.sampled_token_ids[r.request_id] = list(r.sampled_token_ids)
+        if r.logprobs:
+            output.logprobs[r.request_id] = [logprobs_from_proto(p) for p in r.logprobs]
+        if r.spec_token_ids:
+            output.spec_token_ids[r.request_id] = list(r.spec_token_ids)
         if r.prompt_logprobs:
             output.prompt_logprobs[r.request_id] = [logprobs_from_proto(p)
                                                     for p in r.prompt_logprobs]

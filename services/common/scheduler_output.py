@@ -73,6 +73,9 @@ class SchedulerOutput:
     # Beam search: (source, destination) KV blocks to copy before this step's
     # forward; a fork's shared partial block, about to be written.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens each request verifies this step, in
+    # its num_scheduled_tokens after the token it would compute without them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -93,8 +96,13 @@ class ModelRunnerOutput:
     sampled token; it may still have prompt logprobs.
     """
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Per request, the tokens it emits: one, or with draft tokens to verify, the
+    # accepted drafts and then the target's own token.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The logprobs of each sampled token, for requests that asked for them.
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # Speculative decoding: drafts proposed for each request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # Pooling requests whose prompt this step finished: their vectors.
     pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -42,15 +42,19 @@ class Setting:
     scopes: frozenset[str]
     # More flag spellings; for a bool, one starting with --no- turns it off.
     flag_aliases: tuple[str, ...]
+    # The dict argument whose key it is, as vLLM's speculative_config holds
+    # "method" and the rest (one --flag of JSON, one EngineArgs dict); None: an
+    # argument of its own.
+    group: str | None
 
 
 def setting(default, help: str, *, vllm: bool = False, arg: str | None = None,
             choices: tuple[str, ...] = (), value_aliases: Mapping[str, str] | None = None,
             scale: int = 1, offline_default=_SAME, scopes=(CLI, OFFLINE),
-            flag_aliases: tuple[str, ...] = ()):
+            flag_aliases: tuple[str, ...] = (), group: str | None = None):
     """A config dataclass field that is a user-facing setting."""
     meta = Setting(help, vllm, arg, tuple(choices), MappingProxyType(dict(value_aliases or {})),
-                   scale, offline_default, frozenset(scopes), tuple(flag_aliases))
+                   scale, offline_default, frozenset(scopes), tuple(flag_aliases), group)
     return field(default=default, metadata={"setting": meta})
 
 
@@ -73,6 +77,10 @@ class DeclaredSetting:
         return "--" + self.arg.replace("_", "-")
 
     @property
+    def group(self) -> str | None:
+        return self.meta.group
+
+    @property
     def user_type(self) -> type:
         """The type users give: a scaled int is given as a float (GiB for bytes)."""
         return float if self.meta.scale != 1 else self.type
@@ -90,9 +98,10 @@ class DeclaredSetting:
         when it has the wrong type or is not one of the choices."""
         value = self.meta.value_aliases.get(user_value, user_value) \
             if isinstance(user_value, str) else user_value
-        _check_type(self.arg, value, self.user_type)
+        name = f"{self.group}.{self.arg}" if self.group else self.arg
+        _check_type(name, value, self.user_type)
         if self.meta.choices and value not in self.meta.choices:
-            raise ValueError(f"{self.arg} must be one of {', '.join(self.meta.choices)}; "
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, self.meta.choices))}; "
                              f"got {user_value!r}")
         if self.meta.scale != 1:
             return int(value * self.meta.scale)
@@ -127,15 +136,48 @@ def declared_settings(config_cls: type) -> Iterator[DeclaredSetting]:
                 yield DeclaredSetting(section.name, f.name, hints[f.name], f.default, meta)
 
 
+def setting_groups(settings: list[DeclaredSetting]) -> dict[str, list[DeclaredSetting]]:
+    """The settings given as keys of one dict argument, by its name."""
+    groups: dict[str, list[DeclaredSetting]] = {}
+    for s in settings:
+        if s.group is not None:
+            groups.setdefault(s.group, []).append(s)
+    return groups
+
+
 def build_config(config_cls: type, user_values: Mapping[str, Any]):
-    """config_cls (EngineConfig) from user values by setting arg name; the others
-    take their defaults."""
+    """config_cls (EngineConfig) from user values by setting arg name (a grouped
+    setting's under its group's name, a dict); the others take their defaults."""
+    settings = list(declared_settings(config_cls))
+    given = dict(user_values)
+    for group, members in setting_groups(settings).items():
+        given.update(_group_values(group, given.pop(group, None), members))
     sections: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(config_cls)}
-    for s in declared_settings(config_cls):
-        if s.arg in user_values:
-            sections[s.section][s.name] = s.to_config(user_values[s.arg])
+    for s in settings:
+        key = (s.group, s.arg) if s.group else s.arg
+        if key in given:
+            sections[s.section][s.name] = s.to_config(given[key])
     hints = typing.get_type_hints(config_cls)
-    return config_cls(**{name: hints[name](**values) for name, values in sections.items()})
+    config = config_cls(**{name: hints[name](**values) for name, values in sections.items()})
+    for name in sections:  # a section may check how its values go together
+        check = getattr(getattr(config, name), "check", None)
+        if check is not None:
+            check()
+    return config
+
+
+def _group_values(group: str, value: Any, members: list[DeclaredSetting]) -> dict:
+    """A group's dict as {(group, key): value}; ValueError for a key it lacks."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{group} takes a dict (JSON object); got {value!r}")
+    keys = {s.arg for s in members}
+    for key in value:
+        if key not in keys:
+            raise ValueError(f"{group} has no key {key!r}{close_matches(str(key), keys)} "
+                             f"(its keys: {', '.join(sorted(keys))})")
+    return {(group, key): v for key, v in value.items()}
 
 
 def close_matches(name: str, known) -> str:

@@ -47,13 +47,17 @@ class EngineCore:
     """Transport-free engine: no threads, no gRPC. Not thread-safe."""
 
     def __init__(self, config: EngineConfig, executor: Executor):
+        if config.speculative.enabled and config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config: speculative decoding runs without pipeline "
+                             "parallelism (a step's drafts need the token the last stage "
+                             "samples); set pipeline_parallel_size 1")
         self.config = config
         self.executor = executor
         loaded = executor.load_model(config)
         num_blocks = executor.determine_num_kv_blocks()
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
                                    num_blocks, config.lora.num_slots,
-                                   config.parallel.pipeline_parallel_size)
+                                   config.parallel.pipeline_parallel_size, config.speculative)
         executor.init_kv_cache(num_blocks, self.scheduler.next_step_id)
         self.loras = LoRARegistry(config.lora, executor)
         self.info = EngineInfo(model_path=config.model.model,
@@ -170,10 +174,13 @@ class EngineCore:
         """Async scheduling, where the workers run apart from this thread, unless
         a structured-outputs request or a beam group runs: its next bitmask (its
         next beams) needs the token in flight, so overlapped steps would leave it
-        out of every other one."""
+        out of every other one. Nor while drafts are verified: a step's drafts
+        follow the tokens the step before it emitted."""
+        scheduler = self.scheduler
         return (self.config.scheduler.async_scheduling and self.executor.overlaps_steps
+                and not scheduler.spec_decoding.active(len(scheduler.running))
                 and not any(r.grammar is not None or r.beam is not None
-                            for r in self.scheduler.running))
+                            for r in scheduler.running))
 
     def _receive(self, step: _StepInFlight) -> list[EngineCoreOutput]:
         """Waits for a step's output and applies it."""

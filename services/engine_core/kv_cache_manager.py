@@ -142,6 +142,17 @@ class KVCacheManager:
             self.blocks_to_copy = [c for c in self.blocks_to_copy if c[1] not in ids]
         self.block_pool.free(reversed(blocks))
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past its first num_tokens tokens (those that
+        held only rejected draft tokens). They were never registered in the prefix
+        cache: registration stops at the request's known tokens."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.block_pool.free(reversed(tail))
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 

@@ -15,6 +15,17 @@ if TYPE_CHECKING:
     from services.engine_core.grammar import RequestGrammar
 
 
+@dataclass
+class DraftAcceptance:
+    """A request's record of its speculative drafts: where they keep failing, it
+    stops drafting for a while (spec_decode.py)."""
+
+    num_drafts: int = 0
+    num_accepted: int = 0
+    backoff: int = 0  # steps left without drafts
+    num_backoffs: int = 0  # consecutive ones: the next lasts 2**(this + 1) steps
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -62,6 +73,9 @@ class Request:
     pooling_params: PoolingParams | None = None
     # A beam of a beam-search request (beam_search.py); None: an ordinary request.
     beam: BeamState | None = None
+    # Speculative decoding: drafts the workers proposed for its next step.
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from services.common.config import CacheConfig, SchedulerConfig
+from services.common.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from services.common.errors import InvalidArgument, ResourceExhausted, request_id_in_use
 from services.common.request_events import RequestEventKind as Event
 from services.common.request_types import EngineCoreOutput, FinishReason
@@ -19,6 +19,7 @@ from services.engine_core.beam_search import BeamGroup
 from services.engine_core.kv_cache_manager import KVCacheManager
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.request_queue import make_request_queue
+from services.engine_core.spec_decode import SpecDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 class Scheduler(BeamScheduling):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int, max_loras: int = 0,
-                 pipeline_parallel_size: int = 1):
+                 pipeline_parallel_size: int = 1,
+                 speculative_config: SpeculativeConfig | None = None):
         capacity = num_kv_blocks * cache_config.block_size
         if capacity < max_model_len:
             # Otherwise one request alone could outgrow the cache and preempt itself forever.
@@ -55,6 +57,8 @@ class Scheduler(BeamScheduling):
         # thread while this one changes the queues.
         self.num_preempted = 0  # waiting requests whose status is PREEMPTED
         self.beam_groups: dict[str, BeamGroup] = {}  # by the beam-search request's id
+        self.spec_decoding = SpecDecoding(speculative_config or SpeculativeConfig(),
+                                          max_model_len)
 
     # ---- requests in and out -------------------------------------------------
 
@@ -142,10 +146,12 @@ class Scheduler(BeamScheduling):
             self._schedule_waiting(output, budget)
         for request_id, num_new in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
-            if num_new != 1 or request.num_uncomputed_tokens != 1:
+            num_drafts = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
+            if num_new - num_drafts != 1 or request.num_uncomputed_tokens != 1:
                 request.record(Event.PREFILL_CHUNK, num_new)  # not a decode
             request.num_computed_tokens += num_new
-            if request.num_uncomputed_tokens == 0 and request.pooling_params is None:
+            # Drafts are computed past the known tokens: then it is below 0.
+            if request.num_uncomputed_tokens <= 0 and request.pooling_params is None:
                 # It samples this step (a pooling request's step pools instead).
                 if request.grammar is not None:  # the tokens its grammar allows next
                     output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
@@ -197,20 +203,26 @@ class Scheduler(BeamScheduling):
             if budget.requests_left == 0:
                 break
             wanted = self._tokens_wanted(request, budget, decoding_groups)
-            num_new = budget.grant(request.request_id, wanted)
+            drafts = self.spec_decoding.drafts_to_verify(request, len(self.running)) \
+                if wanted == 1 else []
+            num_new = budget.grant(request.request_id, wanted + len(drafts), len(drafts))
             if num_new == 0:  # a prompt chunk, and the prefill cap is spent
                 index += 1
                 continue
-            new_block_ids, victims = self._allocate_preempting(request, num_new)
+            num_new, new_block_ids, victims = self._allocate_step(request, num_new, wanted, budget)
             for victim in victims:  # undo their places in this step
                 if scheduled.pop(victim.request_id, None) is not None:
                     output.num_scheduled_tokens.pop(victim.request_id)
+                    output.scheduled_spec_decode_tokens.pop(victim.request_id, None)
                     budget.refund(victim.request_id)
             if new_block_ids is None:  # `request` itself was preempted
                 budget.refund(request.request_id)
             else:
                 scheduled[request.request_id] = self._step_data(request, new_block_ids)
                 output.num_scheduled_tokens[request.request_id] = num_new
+                if num_new > wanted:  # the drafts the budget had room for
+                    output.scheduled_spec_decode_tokens[request.request_id] = \
+                        drafts[:num_new - wanted]
             if victims:
                 preempted = True
                 index = sum(r.request_id in visited for r in self.running)
@@ -220,6 +232,18 @@ class Scheduler(BeamScheduling):
         output.cached_requests = [d for d in scheduled.values()
                                   if isinstance(d, CachedRequestData)]
         return preempted
+
+    def _allocate_step(self, request: Request, num_new: int, wanted: int, budget: "_Budget"
+                       ) -> tuple[int, list[int] | None, list[Request]]:
+        """_allocate_preempting for num_new tokens, of which those past `wanted` are
+        drafts: drafts never preempt anyone, so without room for them the request
+        runs without them. Returns the tokens it runs, too."""
+        if num_new > wanted:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return num_new, new_block_ids, []
+            num_new = budget.shrink(request.request_id, wanted)
+        return (num_new, *self._allocate_preempting(request, num_new))
 
     def _allocate_preempting(self, request: Request,
                              num_new: int) -> tuple[list[int] | None, list[Request]]:
@@ -321,33 +345,34 @@ class Scheduler(BeamScheduling):
                 outputs.append(self._finish_pooled(request, pooled))
                 finished = True
                 continue
-            token_id = runner_output.sampled_token_ids.get(request_id)
+            token_ids = runner_output.sampled_token_ids.get(request_id)
             prompt_logprobs = self._new_prompt_logprobs(
                 request, starts[request_id], num_scheduled,
                 runner_output.prompt_logprobs.get(request_id, []))
-            if token_id is None:  # a partial prefill chunk
+            if token_ids is None:  # a partial prefill chunk
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(request_id, [], None, request.num_cached_tokens,
                                                     prompt_logprobs=prompt_logprobs))
                 continue
             if request.beam is not None:  # its group chooses the tokens, below
-                if self._keep_beam_result(request, runner_output.logprobs[request_id]):
+                if self._keep_beam_result(request, runner_output.logprobs[request_id][0]):
                     beam_groups[id(request.beam.group)] = request.beam.group
                 continue
             request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            if request.num_output_tokens == 1:
-                request.record(Event.FIRST_TOKEN)
-            reason = request.stop_reason_after_last_token(self.max_model_len)
+            self._settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens.get(
+                request_id, ()), len(token_ids) - 1)
+            token_ids, reason = self._append_output_tokens(request, token_ids)
             if reason is not None:
                 if request.status is RequestStatus.PREEMPTED:  # while its step was in flight
                     self._dequeue(request)
                 self._finish(request, reason)
                 finished = True
-            logprobs = runner_output.logprobs.get(request_id)
-            outputs.append(EngineCoreOutput(request_id, [token_id], reason,
+            elif request_id in runner_output.spec_token_ids:
+                request.spec_token_ids = runner_output.spec_token_ids[request_id]
+            logprobs = runner_output.logprobs.get(request_id, [])
+            outputs.append(EngineCoreOutput(request_id, token_ids, reason,
                                             request.num_cached_tokens,
-                                            new_logprobs=[logprobs] if logprobs else [],
+                                            new_logprobs=logprobs[:len(token_ids)],
                                             prompt_logprobs=prompt_logprobs,
                                             events=request.events if reason else []))
         if finished:
@@ -358,6 +383,30 @@ class Scheduler(BeamScheduling):
         return outputs
 
     # ---- internals -------------------------------------------------------------
+
+    def _append_output_tokens(self, request: Request, token_ids: list[int]
+                              ) -> tuple[list[int], FinishReason | None]:
+        """Appends a step's tokens up to the first that ends the request (those
+        after it are dropped); returns the ones appended and the finish reason."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            if request.num_output_tokens == 1:
+                request.record(Event.FIRST_TOKEN)
+            reason = request.stop_reason_after_last_token(self.max_model_len)
+            if reason is not None:
+                return token_ids[:i + 1], reason
+        return token_ids, None
+
+    def _settle_drafts(self, request: Request, drafts, num_accepted: int) -> None:
+        """After a step that verified drafts: the rejected ones' KV is not the
+        request's, so its computed tokens end after the accepted ones, and the
+        blocks that held only rejected tokens are freed."""
+        if not drafts:
+            return
+        self.spec_decoding.verified(request, len(drafts), num_accepted)
+        if request.status is RequestStatus.RUNNING:  # else it recomputes from 0 anyway
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            self.kv_cache_manager.free_tail(request, request.num_computed_tokens)
 
     def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
         """A pooling request ends with its vector and no token; its blocks are freed now."""
@@ -458,12 +507,12 @@ class _Budget:
         self.requests_left = request_cap  # None: uncapped
         self._granted: dict[str, tuple[int, int]] = {}  # request -> (tokens, prefill part)
 
-    def grant(self, request_id: str, wanted: int) -> int:
+    def grant(self, request_id: str, wanted: int, num_drafts: int = 0) -> int:
         """Tokens given to a request wanting `wanted` more (1: a decode, which the
-        prefill cap never limits)."""
+        prefill cap never limits, nor a decode's drafts)."""
         granted = min(wanted, self.tokens)
         prefill = 0
-        if wanted > 1 and self.prefill_left is not None:
+        if wanted - num_drafts > 1 and self.prefill_left is not None:
             granted = prefill = min(granted, self.prefill_left)
             self.prefill_left -= prefill
         self.tokens -= granted
@@ -471,6 +520,14 @@ class _Budget:
         if granted and self.requests_left is not None:
             self.requests_left -= 1
         return granted
+
+    def shrink(self, request_id: str, tokens: int) -> int:
+        """Takes back what a request was granted beyond `tokens` (drafts only, which
+        the prefill cap never counts); returns `tokens`."""
+        granted, prefill = self._granted[request_id]
+        self.tokens += granted - tokens
+        self._granted[request_id] = (tokens, prefill)
+        return tokens
 
     def refund(self, request_id: str) -> None:
         """Gives back what a request was granted but could not use."""

@@ -130,6 +130,31 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
 
+    def append_token_lists(self, rows: np.ndarray, token_lists: list[list[int]]) -> None:
+        """Speculative decoding: each row's accepted drafts and its sampled token."""
+        for row, tokens in zip(rows.tolist(), token_lists):
+            start = self.num_tokens[row]
+            self.token_ids[row, start:start + len(tokens)] = tokens
+            self.num_tokens[row] = start + len(tokens)
+
+    def set_drafts(self, request_id: str, drafts: list[int]) -> None:
+        """Places the drafts a step verifies after the request's tokens, where the
+        step's inputs are gathered from; the tokens it emits overwrite them."""
+        row = self.row_of[request_id]
+        start = self.num_tokens[row]
+        self.token_ids[row, start:start + len(drafts)] = drafts
+
+    def settle_drafts(self, row: int, num_computed: int) -> None:
+        """After verification: the row's KV ends after its accepted drafts, and the
+        blocks past them, which held only rejected drafts, are no longer its own
+        (the scheduler frees them by the same rule: KVCacheManager.free_tail)."""
+        self.num_computed_tokens[row] = num_computed
+        self.num_blocks[row] = min(self.num_blocks[row], -(-num_computed // self.block_size))
+
+    def token_history(self, row: int, start: int = 0) -> np.ndarray:
+        """The row's tokens from `start` on (a view)."""
+        return self.token_ids[row, start:self.num_tokens[row]]
+
     def _grow(self) -> None:
         old = len(self.states)
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens",
@@ -191,9 +216,13 @@ def _blocks_for(seq_lens: np.ndarray, block_size: int) -> int:
     return int(-(-seq_lens.max() // block_size)) if len(seq_lens) else 0
 
 
-def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
-                            vocab_size: int) -> SamplingMetadata:
-    """The sampler's per-row tensors for the given rows."""
+def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+                            num_tokens: np.ndarray | None = None) -> SamplingMetadata:
+    """The sampler's per-row tensors for the given rows. A row may come more than
+    once (speculative decoding: one per position verified), each with the tokens
+    before its position: num_tokens (default: all the row's)."""
+    if num_tokens is None:
+        num_tokens = batch.num_tokens[rows]
     states = [batch.states[r] for r in rows]
     params = [s.sampling_params for s in states]
     meta = SamplingMetadata(
@@ -201,8 +230,8 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-        generators=_generators_for_this_draw(batch, rows, states),
-        banned_token_ids=_banned_token_ids(batch, rows, states),
+        generators=_generators_for_this_draw(batch, rows, states, num_tokens),
+        banned_token_ids=_banned_token_ids(batch, rows, states, num_tokens),
         disallowed_mask=_disallowed_mask(params, vocab_size),
         logit_bias=_logit_bias(params),
         num_logprobs=([-1 if p.logprobs is None else p.logprobs for p in params]
@@ -211,21 +240,28 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray,
         meta.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
         meta.presence_penalty = torch.tensor([p.presence_penalty for p in params])
         meta.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
-        meta.prompt_token_mask, meta.output_token_counts = _token_histories(batch, rows, vocab_size)
+        meta.prompt_token_mask, meta.output_token_counts = _token_histories(
+            batch, rows, vocab_size, num_tokens)
     return meta
 
 
-def _generators_for_this_draw(batch: InputBatch, rows: np.ndarray,
-                              states: list[RequestState]) -> list[torch.Generator | None]:
+def _generators_for_this_draw(batch: InputBatch, rows: np.ndarray, states: list[RequestState],
+                              num_tokens: np.ndarray) -> list[torch.Generator | None]:
     """Seeded rows draw output token i from a generator seeded with (seed, i), so
     a seed gives the same tokens whatever came before: other requests in the
-    batch, a preemption and its recomputation, or a restarted worker."""
+    batch, a preemption and its recomputation, or a restarted worker. A row that
+    comes again (another position) gets a generator of its own."""
     generators = []
-    for row, state in zip(rows, states):
-        if state.generator is not None:
-            index = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
-            state.generator.manual_seed(_draw_seed(state.sampling_params.seed, index))
-        generators.append(state.generator)
+    seen = set()
+    for row, state, n in zip(rows, states, num_tokens):
+        generator = state.generator
+        if generator is not None:
+            if row in seen:
+                generator = torch.Generator(device=generator.device)
+            seen.add(row)
+            index = int(n - batch.num_prompt_tokens[row])
+            generator.manual_seed(_draw_seed(state.sampling_params.seed, index))
+        generators.append(generator)
     return generators
 
 
@@ -238,14 +274,14 @@ def _draw_seed(seed: int, output_index: int) -> int:
     return z ^ (z >> 31)
 
 
-def _banned_token_ids(batch: InputBatch, rows: np.ndarray,
-                      states: list[RequestState]) -> list[tuple[int, list[int]]]:
+def _banned_token_ids(batch: InputBatch, rows: np.ndarray, states: list[RequestState],
+                      row_num_tokens: np.ndarray) -> list[tuple[int, list[int]]]:
     """Per row, what it must not produce now: EOS and stop ids under min_tokens,
     and the last token of each bad word whose prefix ends the output (vLLM's rule)."""
     banned = []
-    for i, (row, state) in enumerate(zip(rows, states)):
+    for i, (row, state, num_tokens) in enumerate(zip(rows, states, row_num_tokens)):
         params = state.sampling_params
-        num_prompt, num_tokens = batch.num_prompt_tokens[row], batch.num_tokens[row]
+        num_prompt = batch.num_prompt_tokens[row]
         ids = []
         if num_tokens - num_prompt < params.min_tokens:
             ids += state.eos_token_ids + params.stop_token_ids
@@ -280,13 +316,14 @@ def _logit_bias(params: list[SamplingParams]):
             torch.tensor(biases, dtype=torch.float32))
 
 
-def _token_histories(batch: InputBatch, rows: np.ndarray, vocab_size: int):
+def _token_histories(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+                     row_num_tokens: np.ndarray):
     """[B, V] 'in the prompt' mask and generated-token counts, by scatter."""
-    width = int(batch.num_tokens[rows].max())
+    width = int(row_num_tokens.max())
     tokens = torch.from_numpy(batch.token_ids[rows, :width])
     positions = torch.arange(width)[None, :]
     num_prompt = torch.from_numpy(batch.num_prompt_tokens[rows])[:, None]
-    num_tokens = torch.from_numpy(batch.num_tokens[rows])[:, None]
+    num_tokens = torch.from_numpy(np.ascontiguousarray(row_num_tokens))[:, None]
     # Positions outside each part scatter into a spare column, dropped after.
     spare = torch.full_like(tokens, vocab_size)
     prompt_ids = torch.where(positions < num_prompt, tokens, spare)

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from services.common import tracing
+from services.common.config import SpeculativeConfig
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from services.worker.cuda_graphs import DecodeGraphs
@@ -14,6 +15,7 @@ from services.worker.input_batch import (InputBatch, RequestState, StepInputs,
                                          build_sampling_metadata)
 from services.worker.pooler import pool_step
 from services.worker.sampler import Sampler, gather_logprobs
+from services.worker.spec_decode.spec_decoder import SpecDecoder
 
 _tracer = tracing.tracer(__name__)
 
@@ -22,7 +24,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
                  kv_cache_dtype: torch.dtype, max_model_len: int,
                  decode_graphs: DecodeGraphs | None = None, lora: LoRAManager | None = None,
-                 activation_dtype: torch.dtype = torch.float32):
+                 activation_dtype: torch.dtype = torch.float32,
+                 speculative_config: SpeculativeConfig | None = None):
         self.model = model
         # This worker's pipeline stage (SINGLE_STAGE without pipeline parallelism).
         self.stage = model.stage
@@ -37,6 +40,9 @@ class ModelRunner:
         # CUDA graphs for decode-only steps (None: every step runs eagerly).
         self.decode_graphs = decode_graphs
         self.lora = lora  # None: LoRA off
+        self.spec_decoder = None  # None: speculative decoding off
+        if speculative_config is not None and speculative_config.enabled:
+            self.spec_decoder = SpecDecoder(speculative_config, self.input_batch, self.vocab_size)
 
     def kv_block_bytes(self) -> int:
         layers = self.model.attention_layers
@@ -113,18 +119,33 @@ class ModelRunner:
         if step.pooling.any():
             output.pooled = pool_step(self.input_batch, step, hidden)
         rows = step.rows[step.sampling]
-        if len(rows):
-            logits = self.model.compute_logits(hidden[step.logits_indices])
-            sampled_ids = [r for r, s in zip(step.request_ids, step.sampling) if s]
-            apply_grammar_bitmasks(logits, sampled_ids, scheduler_output.grammar_bitmasks)
-            meta = build_sampling_metadata(self.input_batch, rows, self.vocab_size)
-            tokens, logprobs = self.sampler(logits, meta)
-            tokens = tokens.cpu().numpy()
-            if self.stage.size == 1:  # else every stage takes them from the scheduler
-                self.input_batch.append_tokens(rows, tokens)
-            output.sampled_token_ids = dict(zip(sampled_ids, tokens.tolist()))
-            output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
+        if not len(rows):
+            return output
+        sampled_ids = [r for r, s in zip(step.request_ids, step.sampling) if s]
+        if scheduler_output.scheduled_spec_decode_tokens:
+            tokens, logprobs = self.spec_decoder.verify(step, hidden, self.model.compute_logits,
+                                                        scheduler_output)
+            self.input_batch.append_token_lists(rows, tokens)
+        else:
+            tokens, logprobs = self._sample(step, hidden, scheduler_output, sampled_ids, rows)
+        output.sampled_token_ids = dict(zip(sampled_ids, tokens))
+        output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
+        if self.spec_decoder is not None:
+            output.spec_token_ids = self.spec_decoder.propose(sampled_ids, rows)
         return output
+
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, so: SchedulerOutput,
+                sampled_ids: list[str], rows: np.ndarray):
+        """One token per sampling request, and its logprobs (or None), each in a list."""
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        apply_grammar_bitmasks(logits, sampled_ids, so.grammar_bitmasks)
+        meta = build_sampling_metadata(self.input_batch, rows, self.vocab_size)
+        tokens, logprobs = self.sampler(logits, meta)
+        tokens = tokens.cpu().numpy()
+        if self.stage.size == 1:  # else every stage takes them from the scheduler
+            self.input_batch.append_tokens(rows, tokens)
+        return ([[t] for t in tokens.tolist()],
+                [None if lp is None else [lp] for lp in logprobs])
 
     def _forward(self, step: StepInputs) -> torch.Tensor | None:
         """The final hidden states; None on a pipeline stage before the last, which
@@ -148,6 +169,8 @@ class ModelRunner:
         if so.blocks_to_copy:
             self._copy_blocks(so.blocks_to_copy)
         for request_id in so.finished_request_ids:
+            if self.spec_decoder is not None and request_id in batch.row_of:
+                self.spec_decoder.finished(batch.row_of[request_id])
             state = batch.remove(request_id)
             if state is not None and state.span is not None:
                 state.span.end()
@@ -165,6 +188,8 @@ class ModelRunner:
                                         cached.new_token_ids)
             batch.append_blocks(cached.request_id, cached.new_block_ids)
             batch.set_num_computed(cached.request_id, cached.num_computed_tokens)
+        for request_id, drafts in so.scheduled_spec_decode_tokens.items():
+            batch.set_drafts(request_id, drafts)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Beam search's copy-on-write, in every layer this worker holds. Each

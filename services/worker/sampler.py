@@ -44,7 +44,10 @@ class SamplingMetadata:
     num_logprobs: list[int] | None = None
 
     def to(self, device: torch.device) -> "SamplingMetadata":
-        """The same parameters with every tensor on `device` (the logits')."""
+        """The same parameters with every tensor on `device` (the logits'): they
+        are built on the CPU, from Python lists."""
+        if device.type == "cpu":
+            return self
         def move(value):
             if isinstance(value, torch.Tensor):
                 return value.to(device, non_blocking=True)
@@ -70,37 +73,47 @@ class Sampler:
     def __call__(self, logits: torch.Tensor,
                  meta: SamplingMetadata) -> tuple[torch.Tensor, list[Logprobs | None]]:
         """logits: [B, V] -> token ids [B] and, per row, its logprobs (or None)."""
-        if logits.device.type != "cpu":
-            meta = meta.to(logits.device)  # built on the CPU, from Python lists
-        if not meta.argmax_only:
-            # Logprobs, bias, penalties and draws run in fp32 (as vLLM's do); an
-            # argmax compares 16-bit logits exactly, without a copy of [B, V] fp32.
-            logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if meta.num_logprobs else None
-        if meta.disallowed_mask is not None:
-            logits = logits.masked_fill(meta.disallowed_mask, float("-inf"))
-        logits = apply_banned_tokens(logits, meta.banned_token_ids)
-        if meta.logit_bias is not None:
-            rows, token_ids, biases = meta.logit_bias
-            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
-        if meta.repetition_penalty is not None:
-            logits = apply_penalties(logits, meta)
+        meta = meta.to(logits.device)
+        logits, raw_logprobs = process_logits(logits, meta)
         tokens = argmax_rows(logits)
         if not meta.all_greedy:
-            tokens = torch.where(meta.temperature == 0, tokens, self._sample(logits, meta))
+            tokens = torch.where(meta.temperature == 0, tokens,
+                                 draw(sampling_probs(logits, meta), meta.generators))
         if raw_logprobs is None:
             return tokens, [None] * len(tokens)
         return tokens, gather_logprobs(raw_logprobs, tokens, meta.num_logprobs)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
-        logits = logits / temperature[:, None]
-        if bool((meta.min_p > 0).any()):
-            logits = apply_min_p(logits, meta.min_p)
-        if bool((meta.top_k > 0).any()) or bool((meta.top_p < 1).any()):
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        return draw(logits.softmax(dim=-1), meta.generators)
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every rule up to the choice of a token: the logits a greedy row takes the
+    argmax of, and the raw logits' logprobs when a row asks for them."""
+    if not meta.argmax_only:
+        # Logprobs, bias, penalties and draws run in fp32 (as vLLM's do); an
+        # argmax compares 16-bit logits exactly, without a copy of [B, V] fp32.
+        logits = logits.float()
+    raw_logprobs = logits.log_softmax(dim=-1) if meta.num_logprobs else None
+    if meta.disallowed_mask is not None:
+        logits = logits.masked_fill(meta.disallowed_mask, float("-inf"))
+    logits = apply_banned_tokens(logits, meta.banned_token_ids)
+    if meta.logit_bias is not None:
+        rows, token_ids, biases = meta.logit_bias
+        logits = logits.index_put((rows, token_ids), biases, accumulate=True)
+    if meta.repetition_penalty is not None:
+        logits = apply_penalties(logits, meta)
+    return logits, raw_logprobs
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row draws from: processed logits under its
+    temperature, min-p, top-k and top-p (greedy rows: at temperature 1)."""
+    temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+    logits = logits / temperature[:, None]
+    if bool((meta.min_p > 0).any()):
+        logits = apply_min_p(logits, meta.min_p)
+    if bool((meta.top_k > 0).any()) or bool((meta.top_p < 1).any()):
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    return logits.softmax(dim=-1)
 
 
 def apply_banned_tokens(logits: torch.Tensor,

@@ -141,7 +141,8 @@ class Worker:
                             dtype, self.device)
                 if lora_config.enable_lora else None)
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,
-                                        model_config.max_model_len, graphs, lora, dtype)
+                                        model_config.max_model_len, graphs, lora, dtype,
+                                        config.speculative)
         self.cache_config = cache_config
         self.description = WorkerDescription(
             self.rank, world, str(self.device), _name(dtype), _name(weight_dtype or dtype),

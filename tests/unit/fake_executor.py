@@ -80,7 +80,7 @@ class FakeExecutor(Executor):
             if end == len(state["tokens"]):
                 token = next_token(state["tokens"])
                 state["tokens"].append(token)
-                sampled[request_id] = token
+                sampled[request_id] = [token]
         return ModelRunnerOutput(sampled)
 
 

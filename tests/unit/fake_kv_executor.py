@@ -101,7 +101,7 @@ class FakeKVExecutor(FakeExecutor):
         top = distribution(state["tokens"], max(k or 0, 1))
         token, logprob = top[0]
         state["tokens"].append(token)
-        output.sampled_token_ids[request_id] = token
+        output.sampled_token_ids[request_id] = [token]
         if k is not None:
-            output.logprobs[request_id] = Logprobs(token, logprob, 1, [t for t, _ in top][:k],
-                                                   [lp for _, lp in top][:k])
+            output.logprobs[request_id] = [Logprobs(token, logprob, 1, [t for t, _ in top][:k],
+                                                    [lp for _, lp in top][:k])]

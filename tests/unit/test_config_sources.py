@@ -3,6 +3,7 @@ EngineArgs, the argv to child processes and the proto messages agree with the
 declarations, and round-trip every field."""
 import argparse
 import dataclasses
+import json
 import typing
 
 import pytest
@@ -17,7 +18,7 @@ from services.common.config import EngineConfig
 from services.common.config_cli import (add_engine_args, cli_settings, engine_args_to_argv,
                                         engine_config_from_args, parse_args_refusing_vllm_flags)
 from services.common.pb import config_pb2
-from services.common.setting import OFFLINE, declared_settings
+from services.common.setting import OFFLINE, declared_settings, setting_groups
 from services.common.vllm_names import VLLM_ENGINE_ARGS
 
 SETTINGS = list(declared_settings(EngineConfig))
@@ -43,14 +44,17 @@ def test_every_config_field_is_a_declared_setting_with_help_and_a_typed_default(
         assert s.type in (bool, int, float, str) and type(s.default) is s.type, s.arg
         assert len(s.meta.help) > 10, s.arg
         assert not s.meta.choices or s.default in s.meta.choices, s.arg
-    assert len({s.arg for s in SETTINGS}) == len(SETTINGS)
+    assert len({(s.group, s.arg) for s in SETTINGS}) == len(SETTINGS)
 
 
 def test_vllm_names_are_claimed_exactly_where_vllm_has_them():
     """A setting marked as vLLM's has vLLM's name; one that is llmserve's own must
     not take a name vLLM gives another meaning."""
     for s in SETTINGS:
-        assert (s.arg in VLLM_ENGINE_ARGS) == s.meta.vllm, s.arg
+        if s.group is None:
+            assert (s.arg in VLLM_ENGINE_ARGS) == s.meta.vllm, s.arg
+        else:  # a key of vLLM's dict argument (speculative_config)
+            assert s.group in VLLM_ENGINE_ARGS, s.group
     assert {"gpu_memory_utilization", "enforce_eager", "tensor_parallel_size",
             "attention_backend", "async_scheduling", "scheduling_policy"} <= {
         s.arg for s in SETTINGS if s.meta.vllm}
@@ -73,9 +77,31 @@ def _user_value(s):
     return st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
 
 
+def _valid_group(members):
+    """A group's dict, valid together: speculative_config off, or with a method (and a
+    draft model for draft_model)."""
+    by_key = {s.arg: s for s in members}
+    counts = st.integers(0, 2 ** 20)
+
+    def with_method(method):
+        return st.fixed_dictionaries(
+            {"method": st.just(method), "num_speculative_tokens": counts,
+             "prompt_lookup_min": st.integers(0, 3), "prompt_lookup_max": st.integers(3, 9),
+             "model": st.just("") if method != "draft_model" else _user_value(by_key["model"])
+             .filter(bool), "disable_by_batch_size": counts,
+             "suffix_decoding_max_cached_requests": counts,
+             "suffix_decoding_min_token_prob": st.floats(0, 1)})
+    methods = [m for m in by_key["method"].meta.choices if m]
+    return st.one_of(st.just({}), st.sampled_from(methods).flatmap(with_method))
+
+
+GROUPS = setting_groups(cli_settings())
+PLAIN = [s for s in cli_settings() if s.group is None]
+
+
 def _flags(values: dict) -> list[str]:
-    argv = []
-    for s in cli_settings():
+    argv = [f"--{g.replace('_', '-')}={json.dumps(values[g])}" for g in GROUPS]
+    for s in PLAIN:
         value = values[s.arg]
         if s.type is bool:
             argv.append(s.flag if value else f"--no-{s.flag[2:]}")
@@ -85,12 +111,14 @@ def _flags(values: dict) -> list[str]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.fixed_dictionaries({s.arg: _user_value(s) for s in cli_settings()}))
+@given(st.fixed_dictionaries({**{s.arg: _user_value(s) for s in PLAIN},
+                              **{g: _valid_group(m) for g, m in GROUPS.items()}}))
 def test_flags_config_argv_config_round_trip_every_field(values):
     parser = _parser()
     config = engine_config_from_args(parser.parse_args(_flags(values)))
     for s in cli_settings():
-        assert getattr(getattr(config, s.section), s.name) == s.to_config(values[s.arg]), s.arg
+        given = values[s.group].get(s.arg, s.default) if s.group else values[s.arg]
+        assert getattr(getattr(config, s.section), s.name) == s.to_config(given), s.arg
     assert engine_config_from_args(parser.parse_args(engine_args_to_argv(config))) == config
 
 
@@ -156,10 +184,11 @@ def test_config_proto_config_round_trips_every_field(values):
 
 def test_engine_args_has_a_field_per_offline_setting_under_its_user_name():
     offline = [s for s in SETTINGS if OFFLINE in s.meta.scopes]
-    assert [f.name for f in dataclasses.fields(EngineArgs)] == [s.arg for s in offline]
+    assert [f.name for f in dataclasses.fields(EngineArgs)] == \
+        [s.arg for s in offline if s.group is None] + list(setting_groups(offline))
     assert EngineArgs().create_engine_config().scheduler.max_step_tokens_while_decoding == 0
     for s in offline:
-        assert s.arg in EngineArgs.__doc__
+        assert s.arg in EngineArgs.__doc__ and s.meta.help in EngineArgs.__doc__
 
 
 def test_engine_args_take_the_vllm_arguments_the_server_flags_have():
@@ -173,7 +202,7 @@ def test_engine_args_take_the_vllm_arguments_the_server_flags_have():
     assert dataclasses.replace(EngineArgs(), max_model_len=64).max_model_len == 64
 
 
-@pytest.mark.parametrize("name", sorted(VLLM_ENGINE_ARGS - {s.arg for s in SETTINGS}
+@pytest.mark.parametrize("name", sorted(VLLM_ENGINE_ARGS - {s.group or s.arg for s in SETTINGS}
                                         - TRANSLATED_ARGS))
 def test_a_vllm_argument_llmserve_lacks_is_refused_by_name(name):
     with pytest.raises(ValueError, match=f"'{name}' is a vLLM engine argument that llmserve "
@@ -184,8 +213,8 @@ def test_a_vllm_argument_llmserve_lacks_is_refused_by_name(name):
 def test_bad_values_and_unknown_names_are_refused_with_what_to_change():
     for kwargs, error, said in [
             ({"max_model_lne": 3}, TypeError, "did you mean 'max_model_len'"),
-            ({"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype must be one of auto, "
-                                                    "bfloat16, float16; got 'fp8'"),
+            ({"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype must be one of 'auto', "
+                                                    "'bfloat16', 'float16'; got 'fp8'"),
             ({"max_num_seqs": "8"}, ValueError, "max_num_seqs takes an int; got '8'"),
             ({"enforce_eager": 1}, ValueError, "enforce_eager takes a bool"),
             ({"distributed_init_method": "tcp://x:1"}, TypeError, "no argument")]:
@@ -196,3 +225,35 @@ def test_bad_values_and_unknown_names_are_refused_with_what_to_change():
 def test_llm_refuses_a_vllm_argument_before_loading_anything():
     with pytest.raises(ValueError, match="'quantization' is a vLLM engine argument"):
         LLM("no-such-model", quantization="fp8")
+
+
+# ---- speculative_config: vLLM's dict argument -------------------------------------------
+
+def test_speculative_config_is_one_dict_argument_and_one_json_flag():
+    config = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                            "prompt_lookup_max": 4}).create_engine_config()
+    spec = config.speculative
+    assert (spec.method, spec.num_tokens, spec.lookup_range) == ("ngram", 3, (4, 4))
+    assert EngineArgs().create_engine_config().speculative.enabled is False
+    parser = _parser()
+    config = engine_config_from_args(parser.parse_args(
+        ["--speculative-config", '{"method": "draft_model", "model": "tiny-draft"}']))
+    assert (config.speculative.model, config.speculative.num_tokens) == ("tiny-draft", 4)
+    assert engine_config_from_args(parser.parse_args(engine_args_to_argv(config))) == config
+
+
+@pytest.mark.parametrize("value, said", [
+    ({"methd": "ngram"}, "speculative_config has no key 'methd'; did you mean 'method'?"),
+    ({"method": "eagle"}, "speculative_config.method must be one of"),
+    ({"num_speculative_tokens": 4}, "speculative_config needs a method"),
+    ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens must be >= 0"),
+    ({"method": "ngram", "prompt_lookup_min": 6, "prompt_lookup_max": 3},
+     r"prompt_lookup_min \(6\) must be <= prompt_lookup_max \(3\)"),
+    ({"method": "draft_model"}, "model names the draft model"),
+    ({"method": "ngram", "model": "x"}, "only method 'draft_model' takes one"),
+    ({"method": "ngram", "num_speculative_tokens": "4"},
+     "speculative_config.num_speculative_tokens takes an int"),
+    ("ngram", "speculative_config takes a dict")])
+def test_a_bad_speculative_config_is_refused_naming_the_key(value, said):
+    with pytest.raises(ValueError, match=said):
+        EngineArgs(speculative_config=value)

@@ -45,7 +45,7 @@ def test_worker_step_round_trip(params):
         num_scheduled_tokens={"p": 3, "g": 2})
     back = convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(step))
     assert [r.pooling_params for r in back.new_requests] == [params, None]
-    result = ModelRunnerOutput(sampled_token_ids={"g": 9}, pooled={"p": VECTOR})
+    result = ModelRunnerOutput(sampled_token_ids={"g": [9]}, pooled={"p": VECTOR})
     assert convert.model_runner_output_from_proto(
         convert.model_runner_output_to_proto(result)) == result
 

@@ -21,7 +21,7 @@ def fake_token(request: Request) -> int:
 
 def run_step(scheduler: Scheduler):
     so = scheduler.schedule()
-    sampled = {r: fake_token(scheduler.requests[r]) for r in so.num_scheduled_tokens
+    sampled = {r: [fake_token(scheduler.requests[r])] for r in so.num_scheduled_tokens
                if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
     return so, scheduler.update_from_output(so, ModelRunnerOutput(sampled))
 
