@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from services.common.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig,
-                                    SchedulerConfig, StructuredOutputsConfig)
+                                    SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 from services.common.model_store import resolve_model
 from llmserve.llm_engine import make_inproc_engine_core
 from services.engine_core.engine_core import EngineCore
@@ -52,14 +52,16 @@ def hf_model(model_dir):
 
 def make_engine_core(model_dir: str, kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024,
                      enable_prefix_caching: bool = True, dtype: str = "float32",
-                     compile_timeout_s: float = 10.0, **scheduler) -> EngineCore:
+                     compile_timeout_s: float = 10.0,
+                     speculative: SpeculativeConfig | None = None, **scheduler) -> EngineCore:
     """An engine core (fp32 unless told) with one in-process worker."""
     config = EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype,
                                             max_model_len=max_model_len),
                           cache=CacheConfig(kv_cache_bytes=kv_cache_bytes,
                                             enable_prefix_caching=enable_prefix_caching),
                           scheduler=dataclasses.replace(SchedulerConfig(), **scheduler),
-                          structured_outputs=StructuredOutputsConfig(compile_timeout_s))
+                          structured_outputs=StructuredOutputsConfig(compile_timeout_s),
+                          speculative=speculative or SpeculativeConfig())
     return make_inproc_engine_core(config)
 
 

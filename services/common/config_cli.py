@@ -92,7 +92,8 @@ def engine_args_to_argv(config: EngineConfig) -> list[str]:
             argv.append(s.flag if value else f"--no-{s.flag[2:]}")
         else:
             argv.append(f"{s.flag}={repr(value) if isinstance(value, float) else value}")
-    argv += [f"--{group.replace('_', '-')}={json.dumps(values)}" for group, values in groups.items()]
+    argv += [f"--{group.replace('_', '-')}={json.dumps(values)}"
+             for group, values in groups.items()]
     return argv
 
 

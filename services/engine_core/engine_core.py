@@ -175,9 +175,13 @@ class EngineCore:
         a structured-outputs request or a beam group runs: its next bitmask (its
         next beams) needs the token in flight, so overlapped steps would leave it
         out of every other one. Nor while drafts are verified: a step's drafts
-        follow the tokens the step before it emitted."""
+        follow the tokens the step before it emitted, and how many of those it
+        computed is known only once its drafts are checked."""
         scheduler = self.scheduler
+        last_had_drafts = bool(self._in_flight
+                               and self._in_flight[-1].scheduler_output.scheduled_spec_decode_tokens)
         return (self.config.scheduler.async_scheduling and self.executor.overlaps_steps
+                and not last_had_drafts
                 and not scheduler.spec_decoding.active(len(scheduler.running))
                 and not any(r.grammar is not None or r.beam is not None
                             for r in scheduler.running))

@@ -367,8 +367,8 @@ class Scheduler(BeamScheduling):
                     self._dequeue(request)
                 self._finish(request, reason)
                 finished = True
-            elif request_id in runner_output.spec_token_ids:
-                request.spec_token_ids = runner_output.spec_token_ids[request_id]
+            else:  # drafts to follow the tokens it has now
+                request.spec_token_ids = runner_output.spec_token_ids.get(request_id, [])
             logprobs = runner_output.logprobs.get(request_id, [])
             outputs.append(EngineCoreOutput(request_id, token_ids, reason,
                                             request.num_cached_tokens,

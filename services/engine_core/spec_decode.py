@@ -51,8 +51,11 @@ class SpecDecoding:
         while the batch is large or the request's drafts keep failing; never more
         than take it to max_tokens or max_model_len."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
+        # A token in flight (async scheduling, which runs while the batch is large)
+        # is one the drafts were not proposed after.
         if (not drafts or not self.active(num_running) or request.num_uncomputed_tokens != 1
-                or request.grammar is not None or request.beam is not None):
+                or request.num_output_placeholders or request.grammar is not None
+                or request.beam is not None):
             return []
         acceptance = request.draft_acceptance
         if acceptance.backoff > 0:

@@ -69,20 +69,30 @@ class ChoiceState:
         if self.finished:
             return None
         self.num_cached_tokens = output.num_cached_tokens
-        if output.new_token_ids:
+        tokens, logprobs = output.new_token_ids, output.new_logprobs
+        if tokens:
             self.last_token_time = time.monotonic()
             if self.first_token_time is None:
                 self.first_token_time = self.last_token_time
-        self.token_ids += output.new_token_ids
-        if self.params.logprobs is not None:
-            add_token_texts(self.detokenizer.tokenizer, output.new_logprobs)
-            self.logprobs += output.new_logprobs
-            self.cumulative_logprob += sum(lp.logprob for lp in output.new_logprobs)
-        self.text += self.detokenizer.add_tokens(output.new_token_ids)
-        if output.finish_reason is not None:
-            self._finish(output.finish_reason, self._stop_token(output))
-        self._check_stop_strings()
+        # Accepted drafts come several to an output: a stop string may end the
+        # choice at any of them, and the tokens after that one are not the choice's.
+        step = 1 if self.params.stop else max(1, len(tokens))
+        for i in range(0, max(1, len(tokens)), step):
+            self._add_tokens(tokens[i:i + step], logprobs[i:i + step])
+            if i + step >= len(tokens) and output.finish_reason is not None:
+                self._finish(output.finish_reason, self._stop_token(output))
+            self._check_stop_strings()
+            if self.finished:
+                break
         return self._report()
+
+    def _add_tokens(self, token_ids: list[int], logprobs: list[Logprobs]) -> None:
+        self.token_ids += token_ids
+        if self.params.logprobs is not None:
+            add_token_texts(self.detokenizer.tokenizer, logprobs)
+            self.logprobs += logprobs
+            self.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+        self.text += self.detokenizer.add_tokens(token_ids)
 
     def _stop_token(self, output: EngineCoreOutput) -> int | None:
         if output.finish_reason is FinishReason.STOP and output.new_token_ids:

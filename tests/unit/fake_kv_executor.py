@@ -64,7 +64,7 @@ class FakeKVExecutor(FakeExecutor):
                 "k": new.sampling_params.logprobs}
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
-            assert state["computed"] == cached.num_computed_tokens
+            assert state["computed"] == cached.num_computed_tokens, (cached, state)
             state["blocks"] += cached.new_block_ids
             if cached.new_token_ids:  # the scheduler's tokens replace what it sampled
                 start = max(cached.num_computed_tokens, state["prompt"])

@@ -1,0 +1,128 @@
+"""Speculative decoding with the real default model and a tiny random Llama:
+greedy output with drafts is token-identical to greedy output without them,
+batched, with chunked prefill, preemption and prefix caching; logprobs, stop
+strings and seeded sampling go through; every KV block is free afterwards."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from llmserve import LLM, SamplingParams
+from services.common.config import SpeculativeConfig
+from tests.conftest import PROMPTS, make_engine_core
+from tests.integration.test_engine_core_features import run
+from tests.integration.tiny_models import write_tiny_llama
+
+PASSAGES = [
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
+    "with a single step. All that glitters is not gold.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "Water boils at 100 degrees Celsius at sea level, and freezes at 0 degrees Celsius.",
+]
+# Copy-heavy chat prompts, where drafts land, next to prompts where they rarely do.
+COPY_PROMPTS = [f"<|im_start|>user\nRepeat this text exactly:\n\n{p}<|im_end|>\n"
+                f"<|im_start|>assistant\n" for p in PASSAGES]
+METHODS = ["ngram", "suffix"]
+
+
+def spec(method: str, **kwargs) -> SpeculativeConfig:
+    return SpeculativeConfig(method=method, num_speculative_tokens=4,
+                             disable_by_batch_size=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return {f"r{i}": tokenizer(p)["input_ids"] for i, p in enumerate(COPY_PROMPTS + PROMPTS[:5])}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    return run(make_engine_core(model_dir), prompts, max_tokens=40)[0]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_with_drafts_equals_greedy_without(model_dir, prompts, reference, method):
+    core = make_engine_core(model_dir, speculative=spec(method))
+    tokens, _ = run(core, prompts, max_tokens=40)  # run() checks every block is free
+    assert tokens == reference
+    stats = core.scheduler.spec_decoding.stats
+    assert stats.num_accepted_tokens > 40, stats  # the copy prompts' drafts landed
+    assert core.num_steps < sum(map(len, tokens.values())) / 8 + 40 / 2
+    # The same prompts again hit the prefix cache, blocks written with drafts and all.
+    again, cached = run(core, {f"again-{k}": v for k, v in list(prompts.items())[:3]},
+                        max_tokens=40)
+    assert min(cached.values()) >= 16
+    assert again == {f"again-{k}": v for k, v in list(reference.items())[:3]}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_preemption_chunked_prefill_and_prefix_caching_keep_greedy_outputs(
+        model_dir, prompts, reference, method):
+    block_bytes = 2 * 16 * 3 * 64 * 30 * 4  # K and V, 16 tokens, 3 KV heads × 64, 30 layers
+    core = make_engine_core(model_dir, kv_cache_bytes=20 * block_bytes, max_model_len=256,
+                            speculative=spec(method), max_num_batched_tokens=48)
+    tokens, _ = run(core, prompts, max_tokens=40)
+    assert core.stats().num_preemptions_total > 0
+    assert core.scheduler.spec_decoding.stats.num_accepted_tokens > 0
+    assert tokens == reference
+
+
+def test_suffix_decoding_drafts_from_earlier_outputs(model_dir, prompts):
+    """A request that repeats an earlier one's output finds it in the cache."""
+    core = make_engine_core(model_dir, speculative=spec("suffix"))
+    first, _ = run(core, {"first": prompts["r3"]}, max_tokens=40)
+    before = core.scheduler.spec_decoding.stats.num_accepted_tokens
+    second, _ = run(core, {"second": prompts["r3"]}, max_tokens=40)
+    assert second["second"] == first["first"]
+    # Nearly every token of the repeat is an accepted draft.
+    assert core.scheduler.spec_decoding.stats.num_accepted_tokens - before >= 30
+
+
+def test_logprobs_stop_strings_and_seeds_through_the_offline_api(model_dir):
+    plain = LLM(model_dir, dtype="float32", max_model_len=512, kv_cache_gib=0.05)
+    drafted = LLM(model_dir, dtype="float32", max_model_len=512, kv_cache_gib=0.05,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                      "prompt_lookup_min": 2, "disable_by_batch_size": 0})
+    greedy = SamplingParams(max_tokens=40, temperature=0, logprobs=2, stop=["gold"])
+    want = plain.generate(COPY_PROMPTS, greedy, use_tqdm=False)
+    got = drafted.generate(COPY_PROMPTS, greedy, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lg.keys() == lw.keys()
+            for token in lw:
+                assert lg[token].logprob == pytest.approx(lw[token].logprob, abs=1e-3)
+    assert got[0].outputs[0].text.endswith("All that glitters is not ")
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, n=2)
+    once = drafted.generate(COPY_PROMPTS[:1], seeded, use_tqdm=False)[0]
+    twice = drafted.generate(COPY_PROMPTS[:1], seeded, use_tqdm=False)[0]
+    assert [o.token_ids for o in once.outputs] == [o.token_ids for o in twice.outputs]
+    core = drafted.llm_engine.engine_core
+    assert core.stats().num_used_kv_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(model_dir, tmp_path_factory) -> str:
+    """A tiny random Llama whose 32 boosted tokens make it repeat itself: it loops
+    on short cycles, and drafts land often, on logits unlike the default model's."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny-spec"), model_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[100:132] *= 3.0
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_tiny_random_llama_decodes_the_same_with_drafts(tiny_llama, method):
+    torch.manual_seed(0)
+    prompts = {f"t{i}": torch.randint(3, 49152, (5 + 3 * i,)).tolist() for i in range(6)}
+    want, _ = run(make_engine_core(tiny_llama), prompts, max_tokens=48)
+    core = make_engine_core(tiny_llama, speculative=spec(method, prompt_lookup_min=1,
+                                                         prompt_lookup_max=3))
+    got, _ = run(core, prompts, max_tokens=48)
+    assert got == want
+    assert core.scheduler.spec_decoding.stats.num_accepted_tokens > 0
