@@ -203,7 +203,9 @@ def engine_core_output_to_proto(o: EngineCoreOutput) -> engine_core_pb2.EngineCo
         prompt_logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs],
         events=[engine_core_pb2.RequestEvent(kind=int(e.kind), time_unix_nano=e.time_ns,
                                              num_tokens=e.num_tokens) for e in o.events],
-        pooled=o.pooled, beams=[beam_sequence_to_proto(b) for b in o.beams])
+        pooled=o.pooled, beams=[beam_sequence_to_proto(b) for b in o.beams],
+        num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
+        num_drafts=o.num_drafts)
     if o.finish_reason is not None:
         pb.finish_reason = int(o.finish_reason)
     return pb
@@ -218,7 +220,10 @@ def engine_core_output_from_proto(pb: engine_core_pb2.EngineCoreOutput) -> Engin
                             events=[RequestEvent(RequestEventKind(e.kind), e.time_unix_nano,
                                                  e.num_tokens) for e in pb.events],
                             pooled=list(pb.pooled) if pb.pooled else None,
-                            beams=[beam_sequence_from_proto(b) for b in pb.beams])
+                            beams=[beam_sequence_from_proto(b) for b in pb.beams],
+                            num_draft_tokens=pb.num_draft_tokens,
+                            num_accepted_tokens=pb.num_accepted_tokens,
+                            num_drafts=pb.num_drafts)
 
 
 def request_error_to_proto(request_id: str,
@@ -238,7 +243,10 @@ def engine_stats_to_proto(s: EngineStats) -> engine_core_pb2.EngineStats:
 
 
 def engine_stats_from_proto(pb: engine_core_pb2.EngineStats) -> EngineStats:
-    return EngineStats(**{f: getattr(pb, f) for f in EngineStats.__dataclass_fields__})
+    stats = EngineStats(**{f: getattr(pb, f) for f in EngineStats.__dataclass_fields__})
+    stats.spec_decode_num_accepted_tokens_per_pos = list(
+        pb.spec_decode_num_accepted_tokens_per_pos)
+    return stats
 
 
 def engine_info_to_proto(i: EngineInfo) -> engine_core_pb2.EngineInfo:

@@ -96,6 +96,11 @@ class EngineCoreOutput:
     pooled: list[float] | None = None
     # A beam-search request's beams, best first, on its only (finished) output.
     beams: list[BeamSequence] = field(default_factory=list)
+    # Speculative decoding, on the last output only: its draft tokens verified,
+    # those accepted, and its steps that verified drafts.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_drafts: int = 0
 
     @property
     def finished(self) -> bool:
@@ -117,6 +122,11 @@ class EngineStats:
     prefix_cache_hits: int
     num_steps: int
     num_scheduled_tokens_last_step: int
+    # Speculative decoding (engine_core/spec_decode.py SpecDecodingStats).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass

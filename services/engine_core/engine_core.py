@@ -261,6 +261,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         kv = scheduler.kv_cache_manager
+        spec = scheduler.spec_decoding.stats
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             num_preempted=scheduler.num_preempted,
@@ -270,7 +271,11 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_steps=self.num_steps,
-            num_scheduled_tokens_last_step=self.num_scheduled_tokens_last_step)
+            num_scheduled_tokens_last_step=self.num_scheduled_tokens_last_step,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos))
 
     def shutdown(self) -> None:
         self.grammar_compiler.close()

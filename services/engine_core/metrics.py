@@ -26,6 +26,16 @@ _SCRAPED = [
                   "Prompt tokens found in the prefix cache.", "counter", [_M]),
     ScrapedMetric("llmserve:cache_config_info", "The KV cache's configuration (value 1).",
                   "gauge", [_M, "block_size", "num_kv_blocks"]),
+    ScrapedMetric("llmserve:spec_decode_num_drafts",
+                  "Speculative decoding: request steps that verified draft tokens.", "counter",
+                  [_M]),
+    ScrapedMetric("llmserve:spec_decode_num_draft_tokens",
+                  "Speculative decoding: draft tokens verified.", "counter", [_M]),
+    ScrapedMetric("llmserve:spec_decode_num_accepted_tokens",
+                  "Speculative decoding: draft tokens accepted.", "counter", [_M]),
+    ScrapedMetric("llmserve:spec_decode_num_accepted_tokens_per_pos",
+                  "Speculative decoding: draft tokens accepted at each position (0: a step's "
+                  "first draft).", "counter", [_M, "position"]),
 ]
 
 
@@ -66,7 +76,13 @@ class EngineCoreMetrics:
                   "kv_cache_usage_perc": usage,
                   "num_preemptions": stats.num_preemptions_total,
                   "prefix_cache_queries": stats.prefix_cache_queries,
-                  "prefix_cache_hits": stats.prefix_cache_hits}
+                  "prefix_cache_hits": stats.prefix_cache_hits,
+                  "spec_decode_num_drafts": stats.spec_decode_num_drafts,
+                  "spec_decode_num_draft_tokens": stats.spec_decode_num_draft_tokens,
+                  "spec_decode_num_accepted_tokens": stats.spec_decode_num_accepted_tokens}
         readings = [Reading(f"llmserve:{name}", value, self._labels)
                     for name, value in values.items()]
+        readings += [Reading("llmserve:spec_decode_num_accepted_tokens_per_pos", count,
+                             {**self._labels, "position": str(position)})
+                     for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
         return readings + [Reading("llmserve:cache_config_info", 1, self._info_labels)]

@@ -20,7 +20,8 @@ class DraftAcceptance:
     """A request's record of its speculative drafts: where they keep failing, it
     stops drafting for a while (spec_decode.py)."""
 
-    num_drafts: int = 0
+    num_steps: int = 0  # steps that verified drafts
+    num_draft_tokens: int = 0
     num_accepted: int = 0
     backoff: int = 0  # steps left without drafts
     num_backoffs: int = 0  # consecutive ones: the next lasts 2**(this + 1) steps

@@ -370,11 +370,16 @@ class Scheduler(BeamScheduling):
             else:  # drafts to follow the tokens it has now
                 request.spec_token_ids = runner_output.spec_token_ids.get(request_id, [])
             logprobs = runner_output.logprobs.get(request_id, [])
-            outputs.append(EngineCoreOutput(request_id, token_ids, reason,
-                                            request.num_cached_tokens,
-                                            new_logprobs=logprobs[:len(token_ids)],
-                                            prompt_logprobs=prompt_logprobs,
-                                            events=request.events if reason else []))
+            output = EngineCoreOutput(request_id, token_ids, reason, request.num_cached_tokens,
+                                      new_logprobs=logprobs[:len(token_ids)],
+                                      prompt_logprobs=prompt_logprobs)
+            if reason is not None:
+                output.events = request.events
+                acceptance = request.draft_acceptance
+                output.num_draft_tokens = acceptance.num_draft_tokens
+                output.num_accepted_tokens = acceptance.num_accepted
+                output.num_drafts = acceptance.num_steps
+            outputs.append(output)
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         for group in beam_groups.values():

@@ -121,12 +121,24 @@ class EngineSession:
             self._adding.pop(request.request_id, None)
 
 
+def spec_decode_attributes(last: EngineCoreOutput) -> dict:
+    """Tokens per step verifying drafts, as vLLM counts its mean acceptance length:
+    1 + accepted drafts / request steps with drafts."""
+    return {"llmserve.spec_decode.num_draft_tokens": last.num_draft_tokens,
+            "llmserve.spec_decode.num_accepted_tokens": last.num_accepted_tokens,
+            "llmserve.spec_decode.num_drafts": last.num_drafts,
+            "llmserve.spec_decode.mean_acceptance_length":
+                1 + last.num_accepted_tokens / max(1, last.num_drafts)}
+
+
 def _end_request_span(live: _LiveRequest, last: EngineCoreOutput) -> None:
     """The request's usage and outcome, and its phases as child spans."""
     if tracing.is_exporting():
         live.span.set_attributes({"gen_ai.usage.input_tokens": live.num_prompt_tokens,
                                   "gen_ai.usage.output_tokens": live.num_output_tokens,
                                   "gen_ai.response.finish_reasons": [str(last.finish_reason)]})
+        if last.num_draft_tokens:  # speculative decoding: what its drafts achieved
+            live.span.set_attributes(spec_decode_attributes(last))
         with trace.use_span(live.span, end_on_exit=False):
             record_phase_spans(_tracer, last.events)
     live.span.end()

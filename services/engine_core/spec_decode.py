@@ -74,7 +74,8 @@ class SpecDecoding:
         for position in range(num_accepted):
             stats.num_accepted_tokens_per_pos[position] += 1
         acceptance = request.draft_acceptance
-        acceptance.num_drafts += num_drafts
+        acceptance.num_steps += 1
+        acceptance.num_draft_tokens += num_drafts
         acceptance.num_accepted += num_accepted
         if num_accepted:
             acceptance.num_backoffs = 0

@@ -10,7 +10,9 @@ def stats(**changes) -> EngineStats:
     values = dict(num_running=3, num_waiting=2, num_preempted=1, num_preemptions_total=4,
                   num_kv_blocks=100, num_used_kv_blocks=25, num_cached_kv_blocks=5,
                   prefix_cache_queries=64, prefix_cache_hits=16, num_steps=9,
-                  num_scheduled_tokens_last_step=7)
+                  num_scheduled_tokens_last_step=7, spec_decode_num_drafts=5,
+                  spec_decode_num_draft_tokens=20, spec_decode_num_accepted_tokens=9,
+                  spec_decode_num_accepted_tokens_per_pos=[5, 3, 1, 0])
     return EngineStats(**{**values, **changes})
 
 
@@ -34,6 +36,12 @@ def test_engine_core_metrics_read_stats_at_each_scrape():
         assert first[("llmserve:kv_cache_usage_perc", m)] == 0.25
         assert first[("llmserve:num_preemptions_total", m)] == 4
         assert first[("llmserve:prefix_cache_hits_total", m)] == 16
+        assert first[("llmserve:spec_decode_num_drafts_total", m)] == 5
+        assert first[("llmserve:spec_decode_num_draft_tokens_total", m)] == 20
+        assert first[("llmserve:spec_decode_num_accepted_tokens_total", m)] == 9
+        for position, count in enumerate([5, 3, 1, 0]):
+            assert first[("llmserve:spec_decode_num_accepted_tokens_per_pos_total",
+                          (("model_name", "m"), ("position", str(position))))] == count
         assert first[("llmserve:cache_config_info", (("block_size", "16"), ("model_name", "m"),
                                                      ("num_kv_blocks", "100")))] == 1
         assert first[("llmserve:iteration_tokens_total_count", m)] == 1

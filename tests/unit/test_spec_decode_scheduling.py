@@ -12,11 +12,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from services.common import convert
 from services.common.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                     SpeculativeConfig)
 from services.common.request_types import EngineCoreRequest, SamplingParams
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.engine_core.engine_core import EngineCore
+from services.engine_core.session import spec_decode_attributes
 from tests.unit.fake_kv_executor import EOS, FakeKVExecutor, distribution
 from tests.unit.test_scheduler_properties import check_invariants
 
@@ -264,3 +266,27 @@ def test_random_workloads_emit_what_each_request_emits_alone(
         if rid not in aborted:
             assert out.get(rid) == alone(req, 48), rid
     assert core.scheduler.kv_cache_manager.num_free_blocks == num_blocks
+
+
+def test_the_last_output_carries_the_requests_acceptance_for_its_span():
+    executor = FakeSpecExecutor(128, BLOCK_SIZE, num_drafts=3, wrong_every=4)
+    core = make_core(executor, num_blocks=128)
+    for i in range(3):
+        core.add_request(request(f"r{i}", [3 + i, 9, 4], 30, ignore_eos=True))
+    last = {}
+    while core.has_work():
+        for output in core.step():
+            last[output.request_id] = output
+    stats = core.scheduler.spec_decoding.stats
+    assert sum(o.num_accepted_tokens for o in last.values()) == stats.num_accepted_tokens
+    assert sum(o.num_draft_tokens for o in last.values()) == stats.num_draft_tokens
+    assert sum(o.num_drafts for o in last.values()) == stats.num_drafts
+    o = last["r0"]
+    back = convert.engine_core_output_from_proto(convert.engine_core_output_to_proto(o))
+    assert (back.num_drafts, back.num_draft_tokens, back.num_accepted_tokens) == \
+        (o.num_drafts, o.num_draft_tokens, o.num_accepted_tokens) != (0, 0, 0)
+    attributes = spec_decode_attributes(o)
+    assert attributes["llmserve.spec_decode.mean_acceptance_length"] == \
+        1 + o.num_accepted_tokens / o.num_drafts
+    stats_back = convert.engine_stats_from_proto(convert.engine_stats_to_proto(core.stats()))
+    assert stats_back.spec_decode_num_accepted_tokens_per_pos == stats.num_accepted_tokens_per_pos
