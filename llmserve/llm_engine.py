@@ -13,7 +13,7 @@ from services.common.beam_search import BeamSearch
 from services.common.config import EngineConfig
 from services.common.errors import AlreadyExists
 from services.common.lora import LoRARequest
-from services.common.model_store import resolve_model
+from services.common.model_store import with_resolved_models
 from services.common.pooling_params import PoolingParams
 from services.common.request_types import EngineCoreOutput
 from services.common.sampling_params import SamplingParams
@@ -66,9 +66,8 @@ def engine_core_over_workers(stack) -> EngineCore:
 
 
 def _resolved(config: EngineConfig) -> EngineConfig:
-    """The config with its model as a local path (the default model's package)."""
-    return dataclasses.replace(config, model=dataclasses.replace(
-        config.model, model=resolve_model(config.model.model)))
+    """The config with its models as local paths (the default model's package)."""
+    return with_resolved_models(config)
 
 
 class LLMEngine:

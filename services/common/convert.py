@@ -301,7 +301,8 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
         grammar_bitmasks={r: m.astype("<i4").tobytes() for r, m in so.grammar_bitmasks.items()},
         blocks_to_copy=[worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in so.blocks_to_copy],
         scheduled_spec_decode_tokens={r: worker_pb2.TokenIds(token_ids=t)
-                                      for r, t in so.scheduled_spec_decode_tokens.items()})
+                                      for r, t in so.scheduled_spec_decode_tokens.items()},
+        requests_to_draft=so.requests_to_draft)
 
 
 def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutput:
@@ -328,7 +329,8 @@ def scheduler_output_from_proto(pb: worker_pb2.SchedulerOutput) -> SchedulerOutp
                           for r, m in pb.grammar_bitmasks.items()},
         blocks_to_copy=[(c.src, c.dst) for c in pb.blocks_to_copy],
         scheduled_spec_decode_tokens={r: list(t.token_ids)
-                                      for r, t in pb.scheduled_spec_decode_tokens.items()})
+                                      for r, t in pb.scheduled_spec_decode_tokens.items()},
+        requests_to_draft=list(pb.requests_to_draft))
 
 
 def model_runner_output_to_proto(o: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:

@@ -44,6 +44,18 @@ def resolve_model(name_or_path: str) -> str:
                             f"name (known: {DEFAULT_MODEL})")
 
 
+def with_resolved_models(config):
+    """An EngineConfig with its model, and its draft model if it has one, as local
+    paths (what the workers load)."""
+    import dataclasses
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, model=resolve_model(config.model.model)))
+    if config.speculative.model:
+        config = dataclasses.replace(config, speculative=dataclasses.replace(
+            config.speculative, model=resolve_model(config.speculative.model)))
+    return config
+
+
 def served_model_name(model_location: str) -> str:
     """The name clients and metrics know a model by: its directory's (or file's) name."""
     return os.path.basename(model_location.rstrip("/"))

@@ -76,6 +76,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens each request verifies this step, in
     # its num_scheduled_tokens after the token it would compute without them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: the requests sampling this step that the workers
+    # propose drafts for, for their next step.
+    requests_to_draft: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

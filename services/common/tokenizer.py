@@ -25,3 +25,13 @@ def _with_eos(tokenizer, model_dir: str | None):
         eos.update(configured if isinstance(configured, list) else
                    [] if configured is None else [configured])
     return tokenizer, sorted(eos)
+
+
+def check_draft_tokenizer(model_dir: str, draft_dir: str) -> None:
+    """ValueError unless the draft model's tokenizer is the target's: its drafts are
+    token ids, and the target must read them as the same text."""
+    target, _ = load_tokenizer(model_dir)
+    draft, _ = load_tokenizer(draft_dir)
+    if target.get_vocab() != draft.get_vocab():
+        raise ValueError(f"speculative_config.model: the draft model {draft_dir} has another "
+                         f"tokenizer than {model_dir}; a draft model must share the target's")

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 
 from services.common.config_cli import (add_engine_args, engine_config_from_args,
                                         parse_args_refusing_vllm_flags)
 from services.common.metrics import ServiceMetrics, add_metrics_port_arg
-from services.common.model_store import resolve_model, served_model_name
+from services.common.model_store import served_model_name, with_resolved_models
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from services.common.ports import add_port_arg
 from services.common.server import (ServiceServer, add_drain_arg, add_health_port_arg,
@@ -43,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
-    config.model = dataclasses.replace(config.model, model=resolve_model(config.model.model))
+    config = with_resolved_models(config)
     worker_addresses = args.worker_addresses.split(",")
     if not config.parallel.distributed_init_method:
         config.parallel.distributed_init_method = default_init_method(worker_addresses[0])

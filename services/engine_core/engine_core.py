@@ -47,10 +47,7 @@ class EngineCore:
     """Transport-free engine: no threads, no gRPC. Not thread-safe."""
 
     def __init__(self, config: EngineConfig, executor: Executor):
-        if config.speculative.enabled and config.parallel.pipeline_parallel_size > 1:
-            raise ValueError("speculative_config: speculative decoding runs without pipeline "
-                             "parallelism (a step's drafts need the token the last stage "
-                             "samples); set pipeline_parallel_size 1")
+        _check_speculative_config(config)
         self.config = config
         self.executor = executor
         loaded = executor.load_model(config)
@@ -280,3 +277,15 @@ class EngineCore:
     def shutdown(self) -> None:
         self.grammar_compiler.close()
         self.executor.shutdown()
+
+
+def _check_speculative_config(config: EngineConfig) -> None:
+    """What the speculative config needs of the rest, checked before any loading."""
+    spec = config.speculative
+    if spec.enabled and config.parallel.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config: speculative decoding runs without pipeline "
+                         "parallelism (a step's drafts need the token the last stage "
+                         "samples); set pipeline_parallel_size 1")
+    if spec.method == "draft_model":
+        from services.common.tokenizer import check_draft_tokenizer  # transformers: on use
+        check_draft_tokenizer(config.model.model, spec.model)

@@ -155,6 +155,9 @@ class Scheduler(BeamScheduling):
                 # It samples this step (a pooling request's step pools instead).
                 if request.grammar is not None:  # the tokens its grammar allows next
                     output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
+                if self.spec_decoding.enabled and \
+                        self.spec_decoding.wants_drafts(request, len(self.running)):
+                    output.requests_to_draft.append(request_id)
                 request.num_output_placeholders += 1
         output.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         if not output.is_empty:  # the engine core sends it: the workers count it too
@@ -209,7 +212,9 @@ class Scheduler(BeamScheduling):
             if num_new == 0:  # a prompt chunk, and the prefill cap is spent
                 index += 1
                 continue
-            num_new, new_block_ids, victims = self._allocate_step(request, num_new, wanted, budget)
+            lookahead = self.spec_decoding.num_lookahead_tokens if wanted == 1 else 0
+            num_new, new_block_ids, victims = self._allocate_step(request, num_new, wanted,
+                                                                  budget, lookahead)
             for victim in victims:  # undo their places in this step
                 if scheduled.pop(victim.request_id, None) is not None:
                     output.num_scheduled_tokens.pop(victim.request_id)
@@ -233,13 +238,14 @@ class Scheduler(BeamScheduling):
                                   if isinstance(d, CachedRequestData)]
         return preempted
 
-    def _allocate_step(self, request: Request, num_new: int, wanted: int, budget: "_Budget"
-                       ) -> tuple[int, list[int] | None, list[Request]]:
+    def _allocate_step(self, request: Request, num_new: int, wanted: int, budget: "_Budget",
+                       lookahead: int = 0) -> tuple[int, list[int] | None, list[Request]]:
         """_allocate_preempting for num_new tokens, of which those past `wanted` are
-        drafts: drafts never preempt anyone, so without room for them the request
-        runs without them. Returns the tokens it runs, too."""
-        if num_new > wanted:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+        drafts, and `lookahead` slots more for a draft model's next drafts. These
+        never preempt anyone: without room for them the request runs without them.
+        Returns the tokens it runs, too."""
+        if num_new > wanted or lookahead:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new + lookahead)
             if new_block_ids is not None:
                 return num_new, new_block_ids, []
             num_new = budget.shrink(request.request_id, wanted)
@@ -406,12 +412,14 @@ class Scheduler(BeamScheduling):
         """After a step that verified drafts: the rejected ones' KV is not the
         request's, so its computed tokens end after the accepted ones, and the
         blocks that held only rejected tokens are freed."""
-        if not drafts:
-            return
-        self.spec_decoding.verified(request, len(drafts), num_accepted)
-        if request.status is RequestStatus.RUNNING:  # else it recomputes from 0 anyway
+        if drafts:  # counted even for a request preempted meanwhile
+            self.spec_decoding.verified(request, len(drafts), num_accepted)
+        if not self.spec_decoding.enabled or request.status is not RequestStatus.RUNNING:
+            return  # a preempted request recomputes from 0 anyway
+        if drafts:
             request.num_computed_tokens -= len(drafts) - num_accepted
-            self.kv_cache_manager.free_tail(request, request.num_computed_tokens)
+        # Also a draft model's lookahead slots, which the workers are done with.
+        self.kv_cache_manager.free_tail(request, request.num_computed_tokens)
 
     def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
         """A pooling request ends with its vector and no token; its blocks are freed now."""

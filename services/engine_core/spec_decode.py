@@ -46,20 +46,33 @@ class SpecDecoding:
         limit = self.config.disable_by_batch_size
         return self.enabled and (limit == 0 or num_running < limit)
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots a decode allocates past its tokens: a draft model writes the KV of
+        its drafts there after the step (the last draft needs none)."""
+        return self.config.num_tokens - 1 if self.config.method == "draft_model" else 0
+
+    def wants_drafts(self, request: Request, num_running: int) -> bool:
+        """Whether the workers propose drafts for a request that samples this step:
+        not while the batch is large, for a request that cannot verify them
+        (structured outputs, beams), or one backing off after failed drafts."""
+        if (not self.active(num_running) or request.grammar is not None
+                or request.beam is not None):
+            return False
+        acceptance = request.draft_acceptance
+        if acceptance.backoff > 0:
+            acceptance.backoff -= 1
+            return False
+        return True
+
     def drafts_to_verify(self, request: Request, num_running: int) -> list[int]:
-        """The drafts to schedule behind the request's next token this step: none
-        while the batch is large or the request's drafts keep failing; never more
-        than take it to max_tokens or max_model_len."""
+        """The drafts to schedule behind the request's next token this step, never
+        more than take it to max_tokens or max_model_len."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
         # A token in flight (async scheduling, which runs while the batch is large)
         # is one the drafts were not proposed after.
         if (not drafts or not self.active(num_running) or request.num_uncomputed_tokens != 1
-                or request.num_output_placeholders or request.grammar is not None
-                or request.beam is not None):
-            return []
-        acceptance = request.draft_acceptance
-        if acceptance.backoff > 0:
-            acceptance.backoff -= 1
+                or request.num_output_placeholders):
             return []
         room = min(request.sampling_params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1

@@ -144,12 +144,12 @@ class InputBatch:
         start = self.num_tokens[row]
         self.token_ids[row, start:start + len(drafts)] = drafts
 
-    def settle_drafts(self, row: int, num_computed: int) -> None:
-        """After verification: the row's KV ends after its accepted drafts, and the
-        blocks past them, which held only rejected drafts, are no longer its own
-        (the scheduler frees them by the same rule: KVCacheManager.free_tail)."""
-        self.num_computed_tokens[row] = num_computed
-        self.num_blocks[row] = min(self.num_blocks[row], -(-num_computed // self.block_size))
+    def trim_blocks(self, rows: np.ndarray) -> None:
+        """Speculative decoding, after a step: the rows' blocks past their computed
+        tokens (which held rejected drafts, or a draft model's lookahead) are no
+        longer theirs; the scheduler frees them by the same rule (free_tail)."""
+        needed = -(-self.num_computed_tokens[rows] // self.block_size)
+        self.num_blocks[rows] = np.minimum(self.num_blocks[rows], needed)
 
     def token_history(self, row: int, start: int = 0) -> np.ndarray:
         """The row's tokens from `start` on (a view)."""
@@ -170,13 +170,20 @@ class InputBatch:
 
     def prepare(self, so: SchedulerOutput) -> StepInputs:
         """Gathers the step's model inputs and advances num_computed_tokens."""
-        bs = self.block_size
         request_ids = list(so.num_scheduled_tokens)
         rows = np.fromiter((self.row_of[r] for r in request_ids), dtype=np.int64,
                            count=len(request_ids))
         num_new = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
                               count=len(request_ids))
-        starts = self.num_computed_tokens[rows]
+        step = self.gather(request_ids, rows, self.num_computed_tokens[rows], num_new)
+        self.num_computed_tokens[rows] = step.starts + num_new
+        return step
+
+    def gather(self, request_ids: list[str], rows: np.ndarray, starts: np.ndarray,
+               num_new: np.ndarray) -> StepInputs:
+        """The model inputs of num_new tokens of each row from position starts on
+        (a draft model's steps gather their own, from its own progress)."""
+        bs = self.block_size
         seq_lens = starts + num_new
         query_start_loc = np.concatenate(([0], np.cumsum(num_new)))
         # Per token: its request's index in the batch, then its position.
@@ -185,7 +192,6 @@ class InputBatch:
         token_rows = rows[token_req]
         input_ids = self.token_ids[token_rows, positions]
         slots = self.block_table[token_rows, positions // bs] * bs + positions % bs
-        self.num_computed_tokens[rows] = seq_lens
 
         max_blocks = int(-(-seq_lens.max() // bs))
         decode_idx = np.flatnonzero(num_new == 1)

@@ -25,7 +25,8 @@ class ModelRunner:
                  kv_cache_dtype: torch.dtype, max_model_len: int,
                  decode_graphs: DecodeGraphs | None = None, lora: LoRAManager | None = None,
                  activation_dtype: torch.dtype = torch.float32,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 draft_model: torch.nn.Module | None = None):
         self.model = model
         # This worker's pipeline stage (SINGLE_STAGE without pipeline parallelism).
         self.stage = model.stage
@@ -42,12 +43,15 @@ class ModelRunner:
         self.lora = lora  # None: LoRA off
         self.spec_decoder = None  # None: speculative decoding off
         if speculative_config is not None and speculative_config.enabled:
-            self.spec_decoder = SpecDecoder(speculative_config, self.input_batch, self.vocab_size)
+            self.spec_decoder = SpecDecoder(speculative_config, self.input_batch, self.vocab_size,
+                                            draft_model)
+        # The layers with a KV cache: a draft model's too, over the same block ids.
+        self.cache_layers = list(model.attention_layers) + (
+            list(draft_model.attention_layers) if draft_model is not None else [])
 
     def kv_block_bytes(self) -> int:
-        layers = self.model.attention_layers
-        per_layer = 2 * self.block_size * layers[0].num_kv_heads * layers[0].head_dim
-        return per_layer * len(layers) * torch.finfo(self.kv_cache_dtype).bits // 8
+        per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in self.cache_layers)
+        return self.block_size * per_token * torch.finfo(self.kv_cache_dtype).bits // 8
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._allocate_kv_cache(num_blocks)
@@ -56,7 +60,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
-        for layer in self.model.attention_layers:
+        for layer in self.cache_layers:
             # Each backend lays its cache out as its kernels read it best.
             shape = layer.backend.kv_cache_shape(num_blocks, self.block_size,
                                                  layer.num_kv_heads, layer.head_dim)
@@ -131,7 +135,8 @@ class ModelRunner:
         output.sampled_token_ids = dict(zip(sampled_ids, tokens))
         output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
         if self.spec_decoder is not None:
-            output.spec_token_ids = self.spec_decoder.propose(sampled_ids, rows)
+            output.spec_token_ids = self.spec_decoder.after_step(scheduler_output, sampled_ids,
+                                                                 rows)
         return output
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor, so: SchedulerOutput,
@@ -169,8 +174,8 @@ class ModelRunner:
         if so.blocks_to_copy:
             self._copy_blocks(so.blocks_to_copy)
         for request_id in so.finished_request_ids:
-            if self.spec_decoder is not None and request_id in batch.row_of:
-                self.spec_decoder.finished(batch.row_of[request_id])
+            if self.spec_decoder is not None:
+                self.spec_decoder.finished(request_id)
             state = batch.remove(request_id)
             if state is not None and state.span is not None:
                 state.span.end()
@@ -182,6 +187,8 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
             batch.add(new, RequestState(new.request_id, new.sampling_params, new.eos_token_ids,
                                         generator, span, new.lora_id, new.pooling_params))
+            if self.spec_decoder is not None:
+                self.spec_decoder.request_added(new.request_id)
         for cached in so.cached_requests:
             if cached.new_token_ids:  # pipeline parallelism: the tokens sampled since
                 batch.set_output_tokens(cached.request_id, cached.num_computed_tokens,

@@ -140,9 +140,10 @@ class Worker:
         lora = (LoRAManager(model, lora_config.max_loras, lora_config.max_lora_rank, tp,
                             dtype, self.device)
                 if lora_config.enable_lora else None)
+        draft = self._load_draft_model(config, model, dtype, weight_dtype, backend)
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,
                                         model_config.max_model_len, graphs, lora, dtype,
-                                        config.speculative)
+                                        config.speculative, draft)
         self.cache_config = cache_config
         self.description = WorkerDescription(
             self.rank, world, str(self.device), _name(dtype), _name(weight_dtype or dtype),
@@ -154,6 +155,26 @@ class Worker:
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=_name(dtype),
                            kv_block_bytes=self.model_runner.kv_block_bytes(),
                            hidden_size=model.config.hidden_size)
+
+    def _load_draft_model(self, config: EngineConfig, target: torch.nn.Module,
+                          dtype: torch.dtype, weight_dtype, backend) -> torch.nn.Module | None:
+        """speculative_config's draft model, whole on every rank (it is small, and
+        each rank then drafts the same tokens), in the target's dtype."""
+        spec = config.speculative
+        if spec.method != "draft_model":
+            return None
+        draft = load_model(spec.model, dtype, config.model.max_model_len, self.device,
+                           backend=backend)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise InvalidArgument("speculative_config.model", (
+                f"the draft model has {draft.config.vocab_size} tokens in its vocabulary, the "
+                f"target {target.config.vocab_size}: a draft model must share the target's "
+                "tokenizer"))
+        if self.device.type == "cpu":
+            prepare_cpu_linears(linear_layers(draft), dtype, weight_dtype)
+        logger.info("worker %d: draft model %s (%d layers)", self.rank, spec.model,
+                    draft.config.num_hidden_layers)
+        return draft
 
     def determine_num_kv_blocks(self) -> int:
         """CPU: the configured KV cache size. CUDA: what the memory budget leaves after

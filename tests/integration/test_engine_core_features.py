@@ -11,9 +11,9 @@ SYSTEM = ("You are a careful assistant. Answer briefly, cite no sources, and say
           "ambiguous, answer the most likely reading and say which one you chose. ")
 
 
-def run(core, prompts: dict[str, list[int]], max_tokens: int = 24, **sampling):
+def run(core, prompts: dict[str, list[int]], max_tokens: int = 24, on_step=None, **sampling):
     """Outputs per request id (greedy unless `sampling` says otherwise), and each
-    request's num_cached_tokens."""
+    request's num_cached_tokens; on_step(core) runs after every step."""
     sampling = {"temperature": 0, **sampling}
     for request_id, ids in prompts.items():
         core.add_request(EngineCoreRequest(request_id, ids, SamplingParams(
@@ -23,6 +23,8 @@ def run(core, prompts: dict[str, list[int]], max_tokens: int = 24, **sampling):
         for output in core.step():
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
             cached[output.request_id] = output.num_cached_tokens
+        if on_step is not None:
+            on_step(core)
     assert core.stats().num_used_kv_blocks == 0
     return tokens, cached
 

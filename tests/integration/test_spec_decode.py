@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from llmserve import LLM, SamplingParams
 from services.common.config import SpeculativeConfig
 from tests.conftest import PROMPTS, make_engine_core
-from tests.integration.test_engine_core_features import run
+from tests.integration import test_engine_core_features
 from tests.integration.tiny_models import write_tiny_llama
 
 PASSAGES = [
@@ -24,6 +24,24 @@ PASSAGES = [
 COPY_PROMPTS = [f"<|im_start|>user\nRepeat this text exactly:\n\n{p}<|im_end|>\n"
                 f"<|im_start|>assistant\n" for p in PASSAGES]
 METHODS = ["ngram", "suffix"]
+
+
+def run(core, prompts: dict[str, list[int]], max_tokens: int):
+    """Greedy outputs and cache hits (every block free at the end), checking after
+    each step that the worker's block tables and computed tokens are the scheduler's:
+    both trim a request's blocks after its drafts, by one rule each."""
+    return test_engine_core_features.run(core, prompts, max_tokens,
+                                         on_step=check_worker_agrees_with_scheduler)
+
+
+def check_worker_agrees_with_scheduler(core) -> None:
+    batch = core.executor.workers[0].model_runner.input_batch
+    kv = core.scheduler.kv_cache_manager
+    for request in core.scheduler.running:
+        row = batch.row_of[request.request_id]
+        assert batch.block_table[row, :batch.num_blocks[row]].tolist() == \
+            kv.block_ids(request.request_id), request.request_id
+        assert batch.num_computed_tokens[row] == request.num_computed_tokens, request.request_id
 
 
 def spec(method: str, **kwargs) -> SpeculativeConfig:

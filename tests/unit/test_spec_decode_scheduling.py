@@ -54,7 +54,9 @@ class FakeSpecExecutor(FakeKVExecutor):
         for request_id, d in drafts.items():
             self._verify(request_id, d, output)
         for request_id in output.sampled_token_ids:
-            output.spec_token_ids[request_id] = self._propose(self.requests[request_id]["tokens"])
+            if request_id in so.requests_to_draft:
+                output.spec_token_ids[request_id] = self._propose(
+                    self.requests[request_id]["tokens"])
         return output
 
     def _sample(self, request_id, state, output):
