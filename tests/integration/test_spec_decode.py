@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from llmserve import LLM, SamplingParams
 from services.common.config import SpeculativeConfig
 from tests.conftest import PROMPTS, make_engine_core
 from tests.integration import test_engine_core_features
-from tests.integration.tiny_models import write_tiny_llama
+from tests.integration.tiny_models import write_repetitive_tiny_llama
 
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
@@ -124,14 +123,7 @@ def test_logprobs_stop_strings_and_seeds_through_the_offline_api(model_dir):
 
 @pytest.fixture(scope="module")
 def tiny_llama(model_dir, tmp_path_factory) -> str:
-    """A tiny random Llama whose 32 boosted tokens make it repeat itself: it loops
-    on short cycles, and drafts land often, on logits unlike the default model's."""
-    path = write_tiny_llama(tmp_path_factory.mktemp("tiny-spec"), model_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight[100:132] *= 3.0
-    model.save_pretrained(path)
-    return path
+    return write_repetitive_tiny_llama(tmp_path_factory.mktemp("tiny-spec"), model_dir)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -144,3 +136,50 @@ def test_a_tiny_random_llama_decodes_the_same_with_drafts(tiny_llama, method):
     got, _ = run(core, prompts, max_tokens=48)
     assert got == want
     assert core.scheduler.spec_decoding.stats.num_accepted_tokens > 0
+
+
+# ---- draft_model ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layer_draft(model_dir, tmp_path_factory) -> str:
+    """The default model's first 2 layers: a draft that is cheap, and often wrong."""
+    from bench.draft_model import write_layer_draft
+    return write_layer_draft(model_dir, tmp_path_factory.mktemp("draft"), 2)
+
+
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(model_dir, prompts,
+                                                                    reference):
+    core = make_engine_core(model_dir, kv_cache_bytes=128 << 20,
+                            speculative=spec("draft_model", model=model_dir))
+    tokens, _ = run(core, prompts, max_tokens=40)
+    assert tokens == reference
+    stats = core.scheduler.spec_decoding.stats
+    assert stats.num_draft_tokens > 100
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_small_draft_model_keeps_greedy_outputs_through_preemption_and_chunks(
+        model_dir, prompts, reference, layer_draft):
+    block_bytes = 2 * 16 * 3 * 64 * (30 + 2) * 4  # the draft's 2 layers share each block
+    core = make_engine_core(model_dir, kv_cache_bytes=20 * block_bytes, max_model_len=256,
+                            speculative=spec("draft_model", model=layer_draft),
+                            max_num_batched_tokens=48)
+    tokens, _ = run(core, prompts, max_tokens=40)
+    assert core.stats().num_preemptions_total > 0
+    assert core.scheduler.spec_decoding.stats.num_draft_tokens > 0
+    assert tokens == reference
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_at_start(model_dir, tmp_path):
+    import json
+    import shutil
+    draft = tmp_path / "other-tokenizer"
+    shutil.copytree(model_dir, draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="has another tokenizer than"):
+        LLM(model_dir, dtype="float32", speculative_config={"method": "draft_model",
+                                                            "model": str(draft)})

@@ -53,6 +53,18 @@ def write_tiny_llama(path: Path, tokenizer_dir: str, **config) -> str:
     return str(path)
 
 
+def write_repetitive_tiny_llama(path: Path, tokenizer_dir: str, **config) -> str:
+    """write_tiny_llama, with 32 tokens' head rows scaled up: its greedy output
+    loops on short cycles, so speculative drafts land often, on logits unlike the
+    default model's."""
+    write_tiny_llama(path, tokenizer_dir, **config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[100:132] *= 3.0
+    model.save_pretrained(path)
+    return str(path)
+
+
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """transformers' own forward pass over one whole sequence: [len, vocab]."""
     with torch.no_grad():
