@@ -175,8 +175,8 @@ class EngineCore:
         follow the tokens the step before it emitted, and how many of those it
         computed is known only once its drafts are checked."""
         scheduler = self.scheduler
-        last_had_drafts = bool(self._in_flight
-                               and self._in_flight[-1].scheduler_output.scheduled_spec_decode_tokens)
+        last = self._in_flight[-1].scheduler_output if self._in_flight else None
+        last_had_drafts = last is not None and bool(last.scheduled_spec_decode_tokens)
         return (self.config.scheduler.async_scheduling and self.executor.overlaps_steps
                 and not last_had_drafts
                 and not scheduler.spec_decoding.active(len(scheduler.running))

@@ -82,7 +82,8 @@ class EngineCoreMetrics:
                   "spec_decode_num_accepted_tokens": stats.spec_decode_num_accepted_tokens}
         readings = [Reading(f"llmserve:{name}", value, self._labels)
                     for name, value in values.items()]
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
         readings += [Reading("llmserve:spec_decode_num_accepted_tokens_per_pos", count,
                              {**self._labels, "position": str(position)})
-                     for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
+                     for position, count in enumerate(per_pos)]
         return readings + [Reading("llmserve:cache_config_info", 1, self._info_labels)]
