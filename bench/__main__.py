@@ -24,7 +24,7 @@ from bench.settings import Settings
 QUICK = dict(requests=16, prompt_len=64, output_len=32, single_stream_len=64, single_stream_runs=1,
              concurrency="1,8", http_concurrency="1,8", baseline_b1_requests=2,
              large_requests=64, embed_requests=16, embed_rounds=1, beam_requests=8,
-             accuracy_prompts=8, accuracy_len=32)
+             spec_tokens=64, accuracy_prompts=8, accuracy_len=32)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -107,6 +107,11 @@ def _add_phase_flags(p: argparse.ArgumentParser, d: Settings) -> None:
                    help="tokens each beam generates")
     p.add_argument("--skip-beam-search", action="store_true",
                    help="no beam search (LLM.beam_search, llmserve and vLLM-CPU)")
+    p.add_argument("--spec-tokens", type=int, default=d.spec_tokens,
+                   help="tokens of each one-stream speculative decoding run")
+    p.add_argument("--skip-spec-decode", action="store_true",
+                   help="no speculative decoding (ngram, suffix, a draft model; llmserve and "
+                   "vLLM-CPU)")
     p.add_argument("--skip-observability", action="store_true",
                    help="no served run with tracing and metrics on against off")
     p.add_argument("--skip-structured-outputs", action="store_true",

@@ -154,6 +154,7 @@ def to_markdown(results: dict) -> str:
     from bench.observability import observability_section
     from bench.structured_outputs import structured_outputs_section
     from bench.soak import soak_section
+    from bench.spec_decode import spec_decode_section
     from bench.report_modes import dtype_sections, modes_section
     from bench.report_http import http_section
     from bench.report_sections import floor_section, serving_section, vllm_section
@@ -170,6 +171,7 @@ def to_markdown(results: dict) -> str:
     lines += http_section(results)
     lines += observability_section(results) + pipeline_section(results)
     lines += embeddings_section(results) + beam_search_section(results)
+    lines += spec_decode_section(results)
     lines += structured_outputs_section(results)
     lines += soak_section(results)
     s = results["settings"]

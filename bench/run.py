@@ -156,7 +156,8 @@ def run_extra_dtype(s: Settings, model_dir: str, phases: Phases, results: dict,
 def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
                     alone: bool) -> None:
     """What follows the main steps: the HTTP comparison, the cost of observability,
-    pipeline parallelism, embedding throughput, beam search, the cost of structured outputs,
+    pipeline parallelism, embedding throughput, beam search, speculative decoding, the cost
+    of structured outputs,
     the extra dtypes and the numeric modes."""
     if not (s.skip_serving or s.skip_http or s.skip_vllm or alone):
         from bench.http_serving import run_http_serving
@@ -180,6 +181,11 @@ def _later_sections(s: Settings, model_dir: str, phases: Phases, results: dict,
         from bench.beam_search import run_beam_search
 
         run_beam_search(s, model_dir, phases, results)
+        gc.collect()
+    if not (s.skip_spec_decode or alone):
+        from bench.spec_decode import run_spec_decode
+
+        run_spec_decode(s, model_dir, phases, results)
         gc.collect()
     if not (s.skip_offline or s.skip_structured_outputs or alone):
         from bench.structured_outputs import run_structured_outputs

@@ -71,6 +71,10 @@ class Settings:
     beam_width: int = 4
     beam_tokens: int = 64
     skip_beam_search: bool = False
+    # Speculative decoding (bench/spec_decode.py): one stream of spec_tokens tokens per
+    # prompt and method, llmserve and vLLM-CPU; then `requests` streams, on against off.
+    spec_tokens: int = 128
+    skip_spec_decode: bool = False
     # Pipeline parallelism (bench/pipeline.py): the offline batch and one stream
     # with one stage, two, and two with the batch queue off.
     skip_pipeline: bool = False

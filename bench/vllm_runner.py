@@ -185,7 +185,42 @@ def run_beam(spec: dict) -> dict:
     return {"meta": describe(llm), "phases": phases, **result}
 
 
-TASKS = {"embed": run_embed, "beam": run_beam}
+def run_spec(spec: dict) -> dict:
+    """One stream per prompt of each workload, after a warm-up, with the spec's
+    speculative_config (None: none); an engine that refuses it is reported as such."""
+    from vllm import LLM
+
+    phases: dict[str, float] = {}
+    extra = {"speculative_config": spec["speculative_config"]} \
+        if spec["speculative_config"] else {}
+    try:
+        llm = _timed(phases, "load (and compile)", lambda: LLM(
+            model=spec["model"], tokenizer=spec["model"], dtype=spec["dtype"],
+            max_model_len=spec["max_model_len"], enable_prefix_caching=False,
+            seed=spec["seed"], disable_log_stats=False, **extra))
+        single_stream(llm, spec["warmup"], 16, "warmup")
+    except Exception as e:  # e.g. a method its CPU backend lacks
+        return {"phases": phases, "error": f"{type(e).__name__}: {e}"[:400]}
+    workloads = {name: [_timed(phases, f"{name} stream {i + 1}", single_stream, llm, prompt,
+                               spec["max_tokens"], f"{name}-{i}")
+                        for i, prompt in enumerate(prompts)]
+                 for name, prompts in spec["workloads"].items()}
+    return {"meta": describe(llm), "phases": phases, "workloads": workloads,
+            "acceptance_length": _acceptance_length(llm)}
+
+
+def _acceptance_length(llm) -> float | None:
+    """1 + accepted drafts / drafts, from vLLM's own counters (best effort)."""
+    try:
+        values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        drafts = values.get("vllm:spec_decode_num_drafts")
+        accepted = values.get("vllm:spec_decode_num_accepted_tokens")
+        return 1 + accepted / drafts if drafts else None
+    except Exception:
+        return None
+
+
+TASKS = {"embed": run_embed, "beam": run_beam, "spec": run_spec}
 
 
 def main(argv: list[str]) -> None:
