@@ -14,7 +14,7 @@ FIRST_ORDINARY_ID = 17
 
 # One independent prompt set per use, so no set shares a prefix (and a prefix
 # cache hit) with another.
-OFFLINE, SINGLE_STREAM, WARMUP, OFFLINE_LARGE, EMBED, BEAM, SERVING = 0, 1, 2, 3, 4, 5, 10
+OFFLINE, SINGLE_STREAM, WARMUP, OFFLINE_LARGE, EMBED, BEAM, SPEC, SERVING = 0, 1, 2, 3, 4, 5, 6, 10
 
 
 def vocab_size(model_dir: str) -> int:

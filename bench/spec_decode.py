@@ -57,9 +57,10 @@ def copy_prompts(model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": task.format(text)}],
-                                          add_generation_prompt=True, tokenize=True)
-            for task, text in zip(TASKS, PASSAGES)]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": task.format(text)}],
+                                           add_generation_prompt=True, tokenize=False)
+             for task, text in zip(TASKS, PASSAGES)]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def configs(draft_dir: str) -> dict[str, dict | None]:
@@ -75,8 +76,8 @@ def configs(draft_dir: str) -> dict[str, dict | None]:
 def run_spec_decode(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     vocab = P.vocab_size(model_dir)
     workloads = {"copy-heavy": copy_prompts(model_dir),
-                 "word salad": P.make_prompts(3, s.prompt_len, vocab, s.seed + 7)}
-    warmup = P.make_prompts(1, 32, vocab, s.seed + 8)
+                 "word salad": P.make_prompts(3, s.prompt_len, vocab, s.seed, P.SPEC)}
+    warmup = P.make_prompts(1, 32, vocab, s.seed, P.SPEC + 1)
     section = results["spec_decode"] = {"tokens": s.spec_tokens, "dtype": s.dtype,
                                         "num_speculative_tokens": NUM_SPEC_TOKENS,
                                         "draft_layers": DRAFT_LAYERS}
@@ -177,7 +178,8 @@ def _batch(s, model_dir, phases, section) -> None:
     from bench.offline import run_offline
     from llmserve.llm import LLM
 
-    prompts = P.make_prompts(s.requests, s.prompt_len, P.vocab_size(model_dir), s.seed + 9)
+    prompts = P.make_prompts(s.requests, s.prompt_len, P.vocab_size(model_dir), s.seed,
+                             P.SPEC + 2)
     runs: dict[str, list[float]] = {"off": [], "ngram": []}
     llms = {name: LLM(model_dir, dtype=s.dtype, kv_cache_gib=s.kv_cache_gib,
                       max_model_len=s.max_model_len, enable_prefix_caching=False,

@@ -24,7 +24,7 @@ class DraftAcceptance:
     num_draft_tokens: int = 0
     num_accepted: int = 0
     backoff: int = 0  # steps left without drafts
-    num_backoffs: int = 0  # consecutive ones: the next lasts 2**(this + 1) steps
+    num_backoffs: int = 0  # consecutive ones (spec_decode.py says how long each lasts)
 
 
 class RequestStatus(enum.Enum):

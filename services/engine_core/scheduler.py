@@ -367,25 +367,8 @@ class Scheduler(BeamScheduling):
             request.num_output_placeholders -= 1
             self._settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens.get(
                 request_id, ()), len(token_ids) - 1)
-            token_ids, reason = self._append_output_tokens(request, token_ids)
-            if reason is not None:
-                if request.status is RequestStatus.PREEMPTED:  # while its step was in flight
-                    self._dequeue(request)
-                self._finish(request, reason)
-                finished = True
-            else:  # drafts to follow the tokens it has now
-                request.spec_token_ids = runner_output.spec_token_ids.get(request_id, [])
-            logprobs = runner_output.logprobs.get(request_id, [])
-            output = EngineCoreOutput(request_id, token_ids, reason, request.num_cached_tokens,
-                                      new_logprobs=logprobs[:len(token_ids)],
-                                      prompt_logprobs=prompt_logprobs)
-            if reason is not None:
-                output.events = request.events
-                acceptance = request.draft_acceptance
-                output.num_draft_tokens = acceptance.num_draft_tokens
-                output.num_accepted_tokens = acceptance.num_accepted
-                output.num_drafts = acceptance.num_steps
-            outputs.append(output)
+            outputs.append(self._take_tokens(request, token_ids, runner_output, prompt_logprobs))
+            finished |= request.is_finished
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         for group in beam_groups.values():
@@ -394,6 +377,31 @@ class Scheduler(BeamScheduling):
         return outputs
 
     # ---- internals -------------------------------------------------------------
+
+    def _take_tokens(self, request: Request, token_ids: list[int],
+                     runner_output: ModelRunnerOutput, prompt_logprobs: list
+                     ) -> EngineCoreOutput:
+        """Appends a step's tokens to the request, finishes it if one ends it, and
+        keeps the drafts proposed for its next step."""
+        token_ids, reason = self._append_output_tokens(request, token_ids)
+        if reason is not None:
+            if request.status is RequestStatus.PREEMPTED:  # while its step was in flight
+                self._dequeue(request)
+            self._finish(request, reason)
+        else:  # drafts to follow the tokens it has now
+            request.spec_token_ids = runner_output.spec_token_ids.get(request.request_id, [])
+        logprobs = runner_output.logprobs.get(request.request_id, [])
+        output = EngineCoreOutput(request.request_id, token_ids, reason,
+                                  request.num_cached_tokens,
+                                  new_logprobs=logprobs[:len(token_ids)],
+                                  prompt_logprobs=prompt_logprobs)
+        if reason is not None:
+            output.events = request.events
+            acceptance = request.draft_acceptance
+            output.num_draft_tokens = acceptance.num_draft_tokens
+            output.num_accepted_tokens = acceptance.num_accepted
+            output.num_drafts = acceptance.num_steps
+        return output
 
     def _append_output_tokens(self, request: Request, token_ids: list[int]
                               ) -> tuple[list[int], FinishReason | None]:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from services.common.config import SpeculativeConfig
 from services.engine_core.request import Request
 
-# A request whose last drafts were all rejected stops drafting for 2, 4, ... up
-# to 2**MAX_BACKOFF steps: verifying drafts that never land only costs compute.
-_MAX_BACKOFF = 6
+# A request whose last drafts were all rejected stops drafting for 4, 16, then 64
+# steps: drafts that never land cost a draft model's forwards and the verification
+# of their positions (ngram's cost little, a draft model's most).
+_BACKOFF_BASE = 4
+_MAX_BACKOFF = 3
 
 
 @dataclass
@@ -94,4 +96,4 @@ class SpecDecoding:
             acceptance.num_backoffs = 0
         else:
             acceptance.num_backoffs = min(acceptance.num_backoffs + 1, _MAX_BACKOFF)
-            acceptance.backoff = 2 ** acceptance.num_backoffs
+            acceptance.backoff = _BACKOFF_BASE ** acceptance.num_backoffs

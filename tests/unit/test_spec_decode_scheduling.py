@@ -203,8 +203,9 @@ def test_a_request_whose_drafts_keep_failing_backs_off():
     out = run(core)
     stats = core.scheduler.spec_decoding.stats
     assert stats.num_accepted_tokens == 0
-    # Backing off 2, 4, 8, 16, 32 steps: a handful of failed drafts in 60 tokens.
-    assert stats.num_drafts <= 6
+    # Backing off 4, 16, then 64 steps: a few failed drafts in 60 tokens (a failure
+    # is known only after the next drafts were asked for, so they come in pairs).
+    assert stats.num_drafts <= 4
     assert out["r"] == alone(request("r", [1, 2, 3], 60, ignore_eos=True))
 
 
