@@ -27,13 +27,17 @@ def test_section_compares_each_method_with_off_vllm_and_the_floor():
     theirs = {"off": _figures(30, 30), "ngram": {**_figures(15, 31), "acceptance_length": 3.0},
               "suffix": {"error": "ImportError: Arctic Inference is required"},
               "draft_model": {"error": "boom"}}
-    results = {"spec_decode": {"tokens": 128, "dtype": "float32", "num_speculative_tokens": 4,
+    results = {"spec_decode": {"tokens": 128, "dtype": "float32",
+                               "num_speculative_tokens": {"ngram": 8, "suffix": 8,
+                                                          "draft_model": 4},
                                "draft_layers": 4, "llmserve": ours, "vllm": theirs,
                                "floor_itl_s": 0.016,
                                "batch": {"requests": 64, "off": 100.0, "ngram": 99.0}}}
     text = "\n".join(spec_decode.spec_decode_section(results))
-    assert "| ngram | copy-heavy | 8.0 | 0.40× | 15.0 | 0.27× | 0.50× | 3.20 (vLLM 3.00) |" in text
-    assert "| suffix | copy-heavy | 6.0 | 0.30× | refused |" in text
+    assert ("| ngram (8) | copy-heavy | 8.0 | 0.40× | 15.0 | 0.53× | 0.27× | 0.50× | "
+            "3.20 (vLLM 3.00) |") in text
+    assert "| suffix (8) | copy-heavy | 6.0 | 0.30× | refused | - | 0.20× |" in text
+    assert "| off | word salad | 20.0 | 1.00× | 30.0 |" in text
     assert "ngram on 99.0 out tok/s against off 100.0 (**0.990×**)" in text
     assert "first 4 layers" in text
     assert spec_decode.spec_decode_section({}) == []
