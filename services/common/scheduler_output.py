@@ -68,7 +68,8 @@ class SchedulerOutput:
     # Finished or aborted since the last step: workers drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
     # Structured-outputs requests that sample this step: int32 [ceil(vocab / 32)],
-    # bit t set where token t may be sampled.
+    # bit t set where token t may be sampled; with drafts, one such row per
+    # position verified ([drafts + 1, words]).
     grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
     # Beam search: (source, destination) KV blocks to copy before this step's
     # forward; a fork's shared partial block, about to be written.

@@ -98,6 +98,32 @@ class RequestGrammar:
         """The output is complete (a stop token was accepted), or went astray."""
         return self.violated or self._matcher.is_terminated()
 
+    def allowed_drafts(self, drafts: list[int]) -> list[int]:
+        """Speculative decoding: the longest prefix of the drafts the grammar allows
+        after the tokens so far (the matcher is left where it was)."""
+        return drafts[:self._walk(drafts, None)]
+
+    def draft_bitmasks(self, drafts: list[int]) -> np.ndarray:
+        """int32 [len(drafts) + 1, words]: the bitmask before the first draft, then
+        after each (the rows the verification masks); the drafts must be allowed."""
+        masks = [self.next_token_bitmask()]
+        self._walk(drafts, masks)
+        return np.stack(masks)
+
+    def _walk(self, drafts: list[int], masks: list | None) -> int:
+        """Accepts drafts while the grammar allows them (appending each next bitmask
+        to masks), then rolls back; returns how many it allowed."""
+        allowed = 0
+        for token_id in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                break
+            allowed += 1
+            if masks is not None:
+                masks.append(self.next_token_bitmask())
+        if allowed:
+            self._matcher.rollback(allowed)
+        return allowed
+
     def next_token_bitmask(self) -> np.ndarray:
         """int32 [ceil(vocab / 32)]: bit t set where token t may come next."""
         self._matcher.fill_next_token_bitmask(self._bitmask)

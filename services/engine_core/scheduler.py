@@ -154,7 +154,8 @@ class Scheduler(BeamScheduling):
             if request.num_uncomputed_tokens <= 0 and request.pooling_params is None:
                 # It samples this step (a pooling request's step pools instead).
                 if request.grammar is not None:  # the tokens its grammar allows next
-                    output.grammar_bitmasks[request_id] = request.grammar.next_token_bitmask()
+                    output.grammar_bitmasks[request_id] = self._grammar_bitmask(
+                        request, output.scheduled_spec_decode_tokens.get(request_id))
                 if self.spec_decoding.enabled and \
                         self.spec_decoding.wants_drafts(request, len(self.running)):
                     output.requests_to_draft.append(request_id)
@@ -402,6 +403,13 @@ class Scheduler(BeamScheduling):
             output.num_accepted_tokens = acceptance.num_accepted
             output.num_drafts = acceptance.num_steps
         return output
+
+    @staticmethod
+    def _grammar_bitmask(request: Request, drafts: list[int] | None):
+        """The bitmask of its next token; with drafts, one per position verified."""
+        if drafts:
+            return request.grammar.draft_bitmasks(drafts)
+        return request.grammar.next_token_bitmask()
 
     def _append_output_tokens(self, request: Request, token_ids: list[int]
                               ) -> tuple[list[int], FinishReason | None]:

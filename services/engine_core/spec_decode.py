@@ -56,10 +56,9 @@ class SpecDecoding:
 
     def wants_drafts(self, request: Request, num_running: int) -> bool:
         """Whether the workers propose drafts for a request that samples this step:
-        not while the batch is large, for a request that cannot verify them
-        (structured outputs, beams), or one backing off after failed drafts."""
-        if (not self.active(num_running) or request.grammar is not None
-                or request.beam is not None):
+        not while the batch is large, for a beam (its group chooses its tokens), or
+        for a request backing off after failed drafts."""
+        if not self.active(num_running) or request.beam is not None:
             return False
         acceptance = request.draft_acceptance
         if acceptance.backoff > 0:
@@ -78,7 +77,10 @@ class SpecDecoding:
             return []
         room = min(request.sampling_params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
-        return drafts[:max(0, room)]
+        drafts = drafts[:max(0, room)]
+        if request.grammar is not None:  # a draft its grammar forbids would be rejected
+            drafts = request.grammar.allowed_drafts(drafts)
+        return drafts
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Counts a verification; a request whose last drafts all failed backs off."""

@@ -4,6 +4,8 @@ batched, with chunked prefill, preemption and prefix caching; logprobs, stop
 strings and seeded sampling go through; every KV block is free afterwards."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -183,3 +185,57 @@ def test_a_draft_model_with_another_tokenizer_is_refused_at_start(model_dir, tmp
     with pytest.raises(ValueError, match="has another tokenizer than"):
         LLM(model_dir, dtype="float32", speculative_config={"method": "draft_model",
                                                             "model": str(draft)})
+
+
+def test_structured_outputs_verify_drafts_position_by_position(model_dir, tokenizer):
+    """Drafts the grammar forbids are cut before verification; each position is
+    masked by the grammar after the drafts before it. Greedy JSON with drafts equals
+    greedy JSON without, and the copied JSON's drafts land."""
+    from services.common.request_types import EngineCoreRequest, SamplingParams
+    from services.common.sampling_params import StructuredOutputsParams
+
+    record = '{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"]}'
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this JSON exactly:\n{record}"}],
+        add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "born": {"type": "integer"},
+        "fields": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "born", "fields"]}
+
+    def generate(core):
+        params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=(
+            StructuredOutputsParams(json=json.dumps(schema))))
+        core.add_request(EngineCoreRequest("json", ids, params, [2]))
+        tokens = []
+        while core.has_work():
+            for output in core.step():
+                tokens += output.new_token_ids
+        assert core.stats().num_used_kv_blocks == 0
+        return tokens
+
+    want = generate(make_engine_core(model_dir))
+    core = make_engine_core(model_dir, speculative=spec("ngram", prompt_lookup_min=2))
+    assert generate(core) == want
+    assert json.loads(tokenizer.decode(want, skip_special_tokens=True))["born"] == 1815
+    assert core.scheduler.spec_decoding.stats.num_accepted_tokens > 10
+
+
+def test_a_lora_adapter_decodes_the_same_with_drafts(model_dir, tmp_path):
+    from llmserve import LoRARequest
+    from tests.lora_adapters import ALL_PROJECTIONS, build_adapter
+
+    build_adapter(model_dir, tmp_path / "a", 5, r=8, lora_alpha=16,
+                  target_modules=ALL_PROJECTIONS)
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = []
+    for extra in ({}, {"speculative_config": {"method": "ngram", "prompt_lookup_min": 2,
+                                              "disable_by_batch_size": 0}}):
+        llm = LLM(model_dir, dtype="float32", max_model_len=512, kv_cache_gib=0.05,
+                  enable_lora=True, **extra)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(
+            COPY_PROMPTS, params, use_tqdm=False, lora_request=lora)])
+    assert outputs[1] == outputs[0]
+    assert llm.llm_engine.engine_core.stats().spec_decode_num_accepted_tokens > 0

@@ -9,12 +9,23 @@ import torch
 from services.common.config import SpeculativeConfig
 from services.common.request_types import Logprobs
 from services.common.scheduler_output import SchedulerOutput
-from services.worker.grammar_bitmask import apply_grammar_bitmasks
+from services.worker.grammar_bitmask import apply_row_bitmasks
 from services.worker.input_batch import InputBatch, StepInputs, build_sampling_metadata
 from services.worker.spec_decode.draft_model import DraftModelProposer
 from services.worker.spec_decode.ngram import NgramProposer
 from services.worker.spec_decode.rejection_sampler import RejectionSampler
 from services.worker.spec_decode.suffix import SuffixProposer
+
+
+def _position_bitmasks(request_ids: list[str], counts: np.ndarray,
+                       bitmasks: dict[str, np.ndarray]) -> list[np.ndarray | None]:
+    """Each position's grammar bitmask: a constrained request has one per position
+    (one row each, flattened when it came over the wire), others none."""
+    masks: list[np.ndarray | None] = []
+    for request_id, count in zip(request_ids, counts.tolist()):
+        mask = bitmasks.get(request_id)
+        masks += [None] * count if mask is None else list(mask.reshape(count, -1))
+    return masks
 
 
 def make_proposer(config: SpeculativeConfig, input_batch: InputBatch,
@@ -50,8 +61,7 @@ class SpecDecoder:
         ends = step.query_start_loc[1:][step.sampling]
         positions = np.concatenate([np.arange(e - c, e) for e, c in zip(ends, counts)])
         logits = compute_logits(hidden[torch.from_numpy(positions)])
-        # Only requests without drafts have grammars (the scheduler's rule): one row each.
-        apply_grammar_bitmasks(logits, list(np.repeat(request_ids, counts)), so.grammar_bitmasks)
+        apply_row_bitmasks(logits, _position_bitmasks(request_ids, counts, so.grammar_bitmasks))
         # A row per position, each with the tokens before it (the drafts included).
         position_rows = np.repeat(rows, counts)
         offsets = np.arange(len(position_rows)) - np.repeat(np.cumsum(counts) - counts, counts)
