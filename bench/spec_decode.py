@@ -56,14 +56,16 @@ TASKS = [
 WARMUP_TASK = "Repeat this sentence: {}"
 
 
-def copy_prompts(model_dir: str) -> list[list[int]]:
+def copy_prompts(model_dir: str, max_len: int) -> list[list[int]]:
+    """The copy-heavy chat prompts, each cut to its last max_len tokens (which only
+    the harness's tiny max_model_len does: they are about 130 tokens)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": task.format(text)}],
                                            add_generation_prompt=True, tokenize=False)
              for task, text in zip(TASKS, PASSAGES)]
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"][-max_len:] for text in texts]
 
 
 def configs(draft_dir: str) -> dict[str, dict | None]:
@@ -79,7 +81,7 @@ def configs(draft_dir: str) -> dict[str, dict | None]:
 
 def run_spec_decode(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     vocab = P.vocab_size(model_dir)
-    workloads = {"copy-heavy": copy_prompts(model_dir),
+    workloads = {"copy-heavy": copy_prompts(model_dir, s.max_model_len - s.spec_tokens - 1),
                  "word salad": P.make_prompts(3, s.prompt_len, vocab, s.seed, P.SPEC)}
     warmup = P.make_prompts(1, 32, vocab, s.seed, P.SPEC + 1)
     section = results["spec_decode"] = {"tokens": s.spec_tokens, "dtype": s.dtype,

@@ -15,6 +15,7 @@ TINY = ["--requests", "2", "--prompt-len", "8", "--output-len", "4", "--single-s
         "--kv-cache-gib", "0.02", "--max-model-len", "64", "--large-requests", "4",
         "--embed-requests", "3", "--embed-rounds", "2",
         "--beam-requests", "2", "--beam-width", "2", "--beam-tokens", "3",
+        "--spec-tokens", "6",
         # bfloat16 named, so the extra-dtype section runs on any CPU (emulated bf16 is
         # slow, but not at these sizes); the modes load four models: their own test
         # (test_bench_accuracy.py) runs them.
@@ -70,6 +71,12 @@ def test_every_section_has_positive_figures(bench_run):
     assert positive(beams["beam_tok_s"]) and beams["preemptions"] == 0
     # Two beams of each prompt share its full blocks: fewer than unshared.
     assert 0 < beams["peak_blocks"] <= beams["unshared_blocks"]
+    spec = results["spec_decode"]["llmserve"]
+    assert set(spec) == {"off", "ngram", "suffix", "draft_model"}
+    assert all(positive(spec[m][w]["itl_s"]) for m in spec for w in ("copy-heavy", "word salad"))
+    batch = results["spec_decode"]["batch"]
+    assert positive(batch["off"]) and positive(batch["ngram"])
+    assert "vllm" not in results["spec_decode"]
     structured = results["structured_outputs"]
     assert structured["constrained"] == 1 and structured["unconstrained_outputs_unchanged"]
     assert all(positive(structured[k]) for k in ("unconstrained_output_tok_s",
@@ -113,6 +120,7 @@ def test_markdown_is_printed_and_written(bench_run):
                     "## Embeddings: `LLM.embed`, 3 prompts × 8 tokens",
                     "## Beam search: `LLM.beam_search`, 2 prompts × 8 tokens, beam_width 2",
                     "## Pipeline parallelism: offline, 2 requests",
+                    "## Speculative decoding: one stream, greedy, 6 tokens, float32",
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
         assert heading in markdown
