@@ -21,29 +21,28 @@ using llmserve::vf16;
 constexpr int kMaxRows = 8;
 
 // out[m][n] for every row m of x and one weight row n, walking the weight row
-// once, front to back (one sequential stream for the prefetchers), with four
-// independent sums along K so the multiply-adds pipeline.
+// once, front to back (one sequential stream for the prefetchers), with two
+// independent sums along K so the multiply-adds pipeline. Two, not four: with
+// four the pass over SmolLM2's weights streamed 15-20% slower at one row, and
+// 16-bit weights at two rows ~40% slower (bench/NOTES.md); a row of 576
+// weights is only 36 vectors, so the loads, not the adds, set the pace.
 template <typename w_t, int M>
 inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N) {
-  vf16 acc[M][4] = {};
+  vf16 acc[M][2] = {};
   int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
+  for (; k + 32 <= K; k += 32) {
     const vf16 w0 = load16(wrow + k), w1 = load16(wrow + k + 16);
-    const vf16 w2 = load16(wrow + k + 32), w3 = load16(wrow + k + 48);
     for (int m = 0; m < M; ++m) {
       const float* xm = x + m * K + k;
       acc[m][0] += load16(xm) * w0;
       acc[m][1] += load16(xm + 16) * w1;
-      acc[m][2] += load16(xm + 32) * w2;
-      acc[m][3] += load16(xm + 48) * w3;
     }
   }
   for (; k < K; k += 16) {
     const vf16 w0 = load16(wrow + k);
     for (int m = 0; m < M; ++m) acc[m][0] += load16(x + m * K + k) * w0;
   }
-  for (int m = 0; m < M; ++m)
-    out[m * N] = llmserve::sum16((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));
+  for (int m = 0; m < M; ++m) out[m * N] = llmserve::sum16(acc[m][0] + acc[m][1]);
 }
 
 template <typename w_t, int M>
