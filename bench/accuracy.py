@@ -2,8 +2,8 @@
 agreement through `LLM.generate`, and the largest logit difference from the model
 run directly (teacher-forced over the same prompt tokens in both).
 
-Both run with at most GEMV_MAX_ROWS sequences at a time: `weight_dtype` only acts
-on steps of that few rows, so a bigger batch would show it as exact."""
+Both run with at most weight_dtype_max_rows() sequences at a time: `weight_dtype`
+only acts on steps of that few rows, so a bigger batch would show it as exact."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,11 +13,11 @@ import torch
 from bench.prompts import greedy
 from llmserve.llm import LLM
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from services.worker.cpu_matmul import GEMV_MAX_ROWS
+from services.worker.cpu_matmul import weight_dtype_max_rows
 from services.worker.model_runner import ModelRunner
 
 # Prompts whose logits are compared: a few suffice for a maximum, and 4 rows keep
-# each decode step within GEMV_MAX_ROWS.
+# each decode step within weight_dtype_max_rows() where the CPU has AVX-512.
 LOGIT_PROMPTS = 4
 
 
@@ -64,10 +64,11 @@ def logit_diff(reference: torch.Tensor, got: torch.Tensor) -> dict:
 
 
 def greedy_outputs(llm: LLM, prompts: list[list[int]], output_len: int) -> list[list[int]]:
-    """Greedy outputs, GEMV_MAX_ROWS prompts per LLM.generate call."""
+    """Greedy outputs, weight_dtype_max_rows() prompts per LLM.generate call."""
     outputs = []
-    for i in range(0, len(prompts), GEMV_MAX_ROWS):
-        done = llm.generate(prompts[i:i + GEMV_MAX_ROWS], greedy(output_len), use_tqdm=False)
+    rows = weight_dtype_max_rows()
+    for i in range(0, len(prompts), rows):
+        done = llm.generate(prompts[i:i + rows], greedy(output_len), use_tqdm=False)
         outputs += [list(o.outputs[0].token_ids) for o in done]
     return outputs
 

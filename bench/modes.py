@@ -15,7 +15,7 @@ from bench.machine import bf16_native
 from bench.progress import Phases
 from bench.settings import Settings
 from llmserve.llm import LLM
-from services.worker.cpu_matmul import GEMV_MAX_ROWS
+from services.worker.cpu_matmul import weight_dtype_max_rows
 
 REFERENCE = "float32"
 REFERENCE_ARGS = {"dtype": "float32"}
@@ -113,7 +113,7 @@ def run_modes(s: Settings, model_dir: str, phases: Phases, results: dict) -> Non
     runs: dict[str, dict] = {}
     results["modes"] = {"prompts": s.accuracy_prompts, "output_len": s.accuracy_len,
                         "logit_prompts": min(LOGIT_PROMPTS, s.accuracy_prompts),
-                        "max_rows": GEMV_MAX_ROWS, "runs": runs}
+                        "max_rows": weight_dtype_max_rows(), "runs": runs}
     reference = None
     for name, args in [(REFERENCE, REFERENCE_ARGS), *mode_list(bf16_native())]:
         try:

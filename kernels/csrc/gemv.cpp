@@ -22,10 +22,9 @@ constexpr int kMaxRows = 8;
 
 // out[m][n] for every row m of x and one weight row n, walking the weight row
 // once, front to back (one sequential stream for the prefetchers), with two
-// independent sums along K so the multiply-adds pipeline. Two, not four: with
-// four the pass over SmolLM2's weights streamed 15-20% slower at one row, and
-// 16-bit weights at two rows ~40% slower (bench/NOTES.md); a row of 576
-// weights is only 36 vectors, so the loads, not the adds, set the pace.
+// independent sums along K so the multiply-adds pipeline. Two, not four: four
+// streamed the weights measurably slower at one and two rows (bench/NOTES.md,
+// "GEMV: two sums"); the loads, not the adds, set the pace here.
 template <typename w_t, int M>
 inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N) {
   vf16 acc[M][2] = {};
@@ -61,6 +60,14 @@ void gemv_rows(const float* x, int64_t M, const w_t* w, int64_t N, int64_t K, fl
     case 2: return gemv_impl<w_t, 2>(x, w, N, K, out);
     case 3: return gemv_impl<w_t, 3>(x, w, N, K, out);
     case 4: return gemv_impl<w_t, 4>(x, w, N, K, out);
+#if defined(__AVX512F__)
+    // 32 vector registers hold two sums for each of 8 rows: one pass over the
+    // weights, where four rows at a time read them twice.
+    case 5: return gemv_impl<w_t, 5>(x, w, N, K, out);
+    case 6: return gemv_impl<w_t, 6>(x, w, N, K, out);
+    case 7: return gemv_impl<w_t, 7>(x, w, N, K, out);
+    case 8: return gemv_impl<w_t, 8>(x, w, N, K, out);
+#endif
     default:  // up to kMaxRows, four rows at a time
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t rows = std::min<int64_t>(4, M - m);

@@ -5,8 +5,7 @@ x W^T for one layer's weight prepared once after the weights load
 The measurements behind each choice are in bench/NOTES.md ("CPU matmul
 strategies"), where `make bench`'s floor section re-measures them.
 """
-from services.worker.cpu_matmul.choose import prepare_cpu_linears
-from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS
+from services.worker.cpu_matmul.choose import prepare_cpu_linears, weight_dtype_max_rows
 from services.worker.cpu_matmul.strategy import matmul
 
-__all__ = ["GEMV_MAX_ROWS", "matmul", "prepare_cpu_linears"]
+__all__ = ["matmul", "prepare_cpu_linears", "weight_dtype_max_rows"]

@@ -5,7 +5,7 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
   single streams (one or two rows);
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
-  of the weights for up to GEMV_MAX_ROWS rows, the fp32 path above;
+  of the weights for up to GEMV_OVER_FP32_ROWS rows, the fp32 path above;
 - on CPUs without AVX-512, our GEMV for one row only (gemv_rows);
 - fp32 on Intel CPUs: MKL prepacked; on other CPUs: oneDNN prepacked, our GEMV
   for single streams (MKL runs generic code paths there);
@@ -21,8 +21,8 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
-from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_ONEDNN_ROWS, GemvForFewRows,
-                                             gemv_rows, with_gemv)
+from services.worker.cpu_matmul.gemv import (GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
+                                             GemvForFewRows, gemv_rows, with_gemv)
 from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
 from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 from services.worker.cpu_matmul.strategy import FLinear, MatmulStrategy
@@ -57,7 +57,7 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
     if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
         name = str(weight_dtype).removeprefix("torch.")
         return (lambda weight: sixteen_bit_weights(weight, weight_dtype),
-                f"{name} weights for <= {gemv_rows(GEMV_MAX_ROWS)} rows")
+                f"{name} weights for <= {weight_dtype_max_rows()} rows")
     if dtype == torch.float32 and fp32_path() != "F.linear":
         return fp32_weights, fp32_path()
     return None, "F.linear"
@@ -72,9 +72,14 @@ def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
     return with_gemv(weight, gemv_rows(GEMV_OVER_ONEDNN_ROWS), OneDNNWeights(weight))
 
 
+def weight_dtype_max_rows() -> int:
+    """The most rows a step may have for `--weight-dtype` to act on it on this CPU."""
+    return gemv_rows(GEMV_OVER_FP32_ROWS)
+
+
 def sixteen_bit_weights(weight: torch.Tensor, weight_dtype: torch.dtype) -> MatmulStrategy:
     """x W^T for fp32 activations, reading a 16-bit copy of W for few rows."""
-    return with_gemv(weight.to(weight_dtype), gemv_rows(GEMV_MAX_ROWS), fp32_weights(weight))
+    return with_gemv(weight.to(weight_dtype), weight_dtype_max_rows(), fp32_weights(weight))
 
 
 def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
