@@ -1,10 +1,10 @@
 // y = x W^T for a few rows of x (decode steps of one or a few sequences): the
 // weights (fp32, bf16 or fp16) read once, front to back, at memory speed, 16-bit
 // ones widened to fp32 in registers; the sums are fp32. GEMM libraries are built
-// for many rows: at one row oneDNN read SmolLM2's weights at 17 GB/s (bf16) and
-// 22 GB/s (fp32) on an AMD EPYC where this kernel reads 25-27 GB/s, what a bare
-// sum over them reaches. Works with AVX2 as with AVX-512 (widening bf16 is a
-// shift), so it also serves 16-bit weights on CPUs without bf16 arithmetic.
+// for many rows: at one row oneDNN streams the weights far slower than this
+// kernel, which comes close to a bare sum over them (bench/NOTES.md). Works with
+// AVX2 as with AVX-512 (widening bf16 is a shift), so it also serves 16-bit
+// weights on CPUs without bf16 arithmetic.
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
