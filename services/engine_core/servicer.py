@@ -17,7 +17,10 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
         self.engine = engine
 
     async def Session(self, request_iterator, context):
-        logger.info("session opened by %s", context.peer())
+        # Read once: the finally below can run after the server has stopped (a drain
+        # that timed out), when touching the call's context crashed the process.
+        peer = context.peer()
+        logger.info("session opened by %s", peer)
         session = EngineSession(self.engine)
         taking = asyncio.create_task(session.take(request_iterator))
         try:
@@ -28,7 +31,7 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServicer):
         finally:
             taking.cancel()
             session.close()
-            logger.info("session of %s closed", context.peer())
+            logger.info("session of %s closed", peer)
 
     async def Abort(self, request, context):
         await self.engine.abort(list(request.request_ids))
