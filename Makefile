@@ -15,7 +15,7 @@ PORT ?= 50051
 # image (deploy/k8s/Dockerfile) installs none, or cuda (flash-attn).
 EXTRAS ?= test
 
-.PHONY: setup protos model servers run test bench clean test-gpu gpu-bundle
+.PHONY: setup protos model kernels servers run test bench clean test-gpu gpu-bundle
 
 setup: $(INSTALLED) $(PB_STAMP) model
 
@@ -40,7 +40,15 @@ $(PB_STAMP): $(PROTOS) $(INSTALLED)
 model: $(INSTALLED)
 	$(PY) -m services.common.model_store
 
-run: setup
+# The CPU kernels (kernels/csrc) compile on first use, minutes on two cores, for
+# this CPU (-march=native): built before serving, testing or benchmarking here, so
+# that no server's start or test's stack waits out the build (torch caches it:
+# later runs load it in seconds). Not part of setup: an image (deploy/k8s) builds
+# them on the node whose CPU they are for.
+kernels: $(INSTALLED)
+	$(PY) -m kernels.cpu_build
+
+run: setup kernels
 	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT)
 
 # Servers the tests run for real: Prometheus (Debian's package) evaluates the
@@ -54,11 +62,11 @@ servers:
 		|| { $$SUDO apt-get update -qq && \
 		     $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
 
-test: setup servers
+test: setup kernels servers
 	$(PY) -m pytest -q
 
 # `make bench BENCH_ARGS=--quick` passes flags on (see `python -m bench --help`).
-bench: setup
+bench: setup kernels
 	$(PY) -m bench $(BENCH_ARGS)
 
 # The GPU suite (tests/gpu/README.md). On this machine, `make gpu-bundle` makes the parts to

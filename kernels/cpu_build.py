@@ -51,3 +51,15 @@ def use_cpu_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the C++ kernels serve these tensors: all on the CPU. (Runs for
     every op of every layer: no generator, cached build check.)"""
     return x.is_cpu and all(t.is_cpu for t in others) and cpu_ops_available()
+
+
+def main() -> None:
+    """`python -m kernels.cpu_build` (make setup): builds the kernels now; a
+    machine that cannot build them is told so, and serves with the torch ops."""
+    logging.basicConfig(level=logging.INFO, format="llmserve kernels: %(message)s")
+    logger.info("building the CPU kernels for this CPU (minutes the first time) ...")
+    cpu_ops_available()
+
+
+if __name__ == "__main__":
+    main()
