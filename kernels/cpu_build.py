@@ -54,7 +54,7 @@ def use_cpu_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
 
 
 def main() -> None:
-    """`python -m kernels.cpu_build` (make setup): builds the kernels now; a
+    """`python -m kernels.cpu_build` (make kernels): builds the kernels now; a
     machine that cannot build them is told so, and serves with the torch ops."""
     logging.basicConfig(level=logging.INFO, format="llmserve kernels: %(message)s")
     logger.info("building the CPU kernels for this CPU (minutes the first time) ...")
