@@ -5,7 +5,10 @@ from them the fastest any engine could run the benchmark's workloads on this
 machine.
 
 Floors count only the linear layers (attention, norms and sampling are left out),
-so every measured throughput is below its floor; the fraction says how close."""
+so every measured throughput is below its floor; the fraction says how close. Each
+workload's floor also has a `with_kv_reads` figure: the linears plus the decode
+attention's reads of the KV cache, the bound of an engine (vLLM's or ours) that runs
+a layer's linears and its attention one after the other."""
 from __future__ import annotations
 
 import json
@@ -53,6 +56,10 @@ class ModelShape:
         return sum(k * n * count for name, k, n, count in self.linears()
                    if with_head or name != "lm_head")
 
+    def kv_values_per_token(self) -> int:
+        """K and V values one token keeps in every layer's cache."""
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
 
 @dataclass
 class Measured:
@@ -86,15 +93,32 @@ def decode_seconds(shape: ModelShape, m: Measured, output_tokens: int, batch: in
     return output_tokens * 2 * shape.params() / (m.rate(batch) * 1e9)
 
 
+def kv_read_seconds(shape: ModelShape, m: Measured, requests: int, prompt_len: int,
+                    output_len: int) -> float:
+    """The decode steps' attention reading the KV cache (in the model's dtype) at the
+    weight-streaming rate: the first output token comes from the prefill; the i-th
+    after it attends to prompt_len + i cached tokens, each read once per step. Any
+    engine that keeps K and V in that dtype reads these bytes; a batch's GEMMs and
+    these reads follow each other within a layer, so they add up."""
+    steps = max(0, output_len - 1)
+    tokens_read = requests * (steps * prompt_len + steps * (steps + 1) // 2)
+    bytes_read = tokens_read * shape.kv_values_per_token() * m.bytes_per_param
+    return bytes_read / (m.stream_gb_s * 1e9)
+
+
 def workload_floor(shape: ModelShape, m: Measured, requests: int, prompt_len: int,
                    output_len: int, batch: int) -> dict:
     """The fastest `requests` requests of prompt_len + output_len tokens could run,
-    decoded `batch` at a time: seconds and tok/s."""
+    decoded `batch` at a time: seconds and tok/s; `with_kv_reads` adds the decode
+    attention's reads of the KV cache to the linears."""
     prompt_tokens, output_tokens = requests * prompt_len, requests * output_len
     seconds = (prefill_seconds(shape, m, prompt_tokens, prefill_rows(requests, prompt_len))
                + decode_seconds(shape, m, output_tokens, batch))
+    with_kv = seconds + kv_read_seconds(shape, m, requests, prompt_len, output_len)
     out = {"seconds": seconds, "output_tok_s": output_tokens / seconds,
-           "total_tok_s": (prompt_tokens + output_tokens) / seconds}
+           "total_tok_s": (prompt_tokens + output_tokens) / seconds,
+           "with_kv_reads": {"seconds": with_kv, "output_tok_s": output_tokens / with_kv,
+                             "total_tok_s": (prompt_tokens + output_tokens) / with_kv}}
     if batch == 1:
         per_token = decode_seconds(shape, m, 1, 1)
         out.update(decode_tok_s=1 / per_token, itl_s=per_token)

