@@ -4,12 +4,15 @@ registers them as torch.ops.llmserve.*. torch caches the build under
 ~/.cache/torch_extensions and rebuilds when a source changes."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -35,16 +38,42 @@ def cpu_ops_available() -> bool:
     try:
         import ninja  # the PyPI package: its binary is not on PATH inside a venv
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        # torch's own choice of folder (private, stable in the pinned torch), named
+        # here so that the build's lock sits beside it.
+        build_dir = Path(_get_build_directory(_EXTENSION_NAME, verbose=False))
         start = time.perf_counter()
-        load(name=_EXTENSION_NAME, sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
-             extra_cflags=_CFLAGS,
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with exclusive_build(build_dir):
+            load(name=_EXTENSION_NAME, sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
+                 extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
+                 verbose=False, build_directory=str(build_dir))
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
         return True
     except Exception as e:  # no compiler, headers or ninja: fall back, loudly
         logger.warning("CPU kernels unavailable (%s); using the torch reference ops", e)
         return False
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Runs the block as the only build of this extension on the machine. torch
+    guards a build with a `lock` file that a build stopped midway (Ctrl-C, a killed
+    `make`) leaves behind, and every later build then waits on it forever, silently.
+    An flock dies with its process: whoever holds this one is the only builder, so
+    a `lock` file found then is stale and goes."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "llmserve.flock", "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process building the CPU kernels in %s", build_dir)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build stopped midway", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def use_cpu_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
