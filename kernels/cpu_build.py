@@ -38,11 +38,9 @@ def cpu_ops_available() -> bool:
     try:
         import ninja  # the PyPI package: its binary is not on PATH inside a venv
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
-        # torch's own choice of folder (private, stable in the pinned torch), named
-        # here so that the build's lock sits beside it.
-        build_dir = Path(_get_build_directory(_EXTENSION_NAME, verbose=False))
+        build_dir = build_directory()
         start = time.perf_counter()
         with exclusive_build(build_dir):
             load(name=_EXTENSION_NAME, sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
@@ -53,6 +51,15 @@ def cpu_ops_available() -> bool:
     except Exception as e:  # no compiler, headers or ninja: fall back, loudly
         logger.warning("CPU kernels unavailable (%s); using the torch reference ops", e)
         return False
+
+
+def build_directory() -> Path:
+    """Where torch builds and caches the extension: its own choice of folder (a
+    private function, stable in the pinned torch), named here so that the build's
+    lock sits beside it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(_EXTENSION_NAME, verbose=False))
 
 
 @contextlib.contextmanager

@@ -5,10 +5,7 @@ import sys
 import threading
 from pathlib import Path
 
-from torch.utils.cpp_extension import _get_build_directory
-
-from kernels import cpu_build
-from kernels.cpu_build import exclusive_build
+from kernels.cpu_build import build_directory, exclusive_build
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +36,7 @@ def test_a_second_build_waits_for_the_first(tmp_path):
 def test_make_kernels_finishes_over_a_stale_lock():
     """`python -m kernels.cpu_build` (make kernels) with the lock a killed build left
     in the real build folder: it goes on (here the kernels are built already)."""
-    stale = Path(_get_build_directory(cpu_build._EXTENSION_NAME, verbose=False)) / "lock"
+    stale = build_directory() / "lock"
     stale.touch()
     try:
         done = subprocess.run([sys.executable, "-m", "kernels.cpu_build"], cwd=REPO,
