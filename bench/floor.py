@@ -112,13 +112,15 @@ def workload_floor(shape: ModelShape, m: Measured, requests: int, prompt_len: in
     decoded `batch` at a time: seconds and tok/s; `with_kv_reads` adds the decode
     attention's reads of the KV cache to the linears."""
     prompt_tokens, output_tokens = requests * prompt_len, requests * output_len
+
+    def rates(seconds: float) -> dict:
+        return {"seconds": seconds, "output_tok_s": output_tokens / seconds,
+                "total_tok_s": (prompt_tokens + output_tokens) / seconds}
+
     seconds = (prefill_seconds(shape, m, prompt_tokens, prefill_rows(requests, prompt_len))
                + decode_seconds(shape, m, output_tokens, batch))
     with_kv = seconds + kv_read_seconds(shape, m, requests, prompt_len, output_len)
-    out = {"seconds": seconds, "output_tok_s": output_tokens / seconds,
-           "total_tok_s": (prompt_tokens + output_tokens) / seconds,
-           "with_kv_reads": {"seconds": with_kv, "output_tok_s": output_tokens / with_kv,
-                             "total_tok_s": (prompt_tokens + output_tokens) / with_kv}}
+    out = {**rates(seconds), "with_kv_reads": rates(with_kv)}
     if batch == 1:
         per_token = decode_seconds(shape, m, 1, 1)
         out.update(decode_tok_s=1 / per_token, itl_s=per_token)
