@@ -74,7 +74,7 @@ inline void block_scores(const float* q, const scalar_t* kblock, float* scores, 
     vf16 acc[G][A] = {};
     for (int d = 0; d < D; d += A) {
       for (int a = 0; a < A; ++a) {
-        const vf16 k = load16(kblock + (d + a) * BS + c);
+        const vf16 k = llmserve::in_register(load16(kblock + (d + a) * BS + c));
         for (int g = 0; g < G; ++g) acc[g][a] += q[g * D + d + a] * k;
       }
     }
@@ -97,12 +97,12 @@ inline void block_values(const float* p, int64_t stride, int64_t valid, const sc
   for (; t + P <= valid; t += P)
     for (int parity = 0; parity < P; ++parity)
       for (int c = 0; c < D / 16; ++c) {
-        const vf16 v = load16(vblock + (t + parity) * D + c * 16);
+        const vf16 v = llmserve::in_register(load16(vblock + (t + parity) * D + c * 16));
         for (int g = 0; g < G; ++g) acc[parity][g][c] += p[g * stride + t + parity] * v;
       }
   for (; t < valid; ++t)
     for (int c = 0; c < D / 16; ++c) {
-      const vf16 v = load16(vblock + t * D + c * 16);
+      const vf16 v = llmserve::in_register(load16(vblock + t * D + c * 16));
       for (int g = 0; g < G; ++g) acc[0][g][c] += p[g * stride + t] * v;
     }
 }
@@ -127,9 +127,15 @@ inline float softmax(float* s, int64_t len) {
 }
 
 // Blocks are scattered pages, and hardware prefetchers stop at page boundaries:
-// ask for a block two ahead while this one is worked on. Into L2 (prefetcht2):
-// into L1, two whole blocks ahead crowd out the one in use (scattered blocks
-// came 4-8% slower than the per-KV-head walk; into L2, 13-18% faster).
+// on Intel, ask for a block two ahead while this one is worked on, into L2
+// (prefetcht2; into L1, two whole blocks ahead crowd out the one in use). AMD
+// treats the hints alike, into L1, and there any of these prefetches (two blocks
+// ahead, one, a line a page) made decode slower than none: bench/NOTES.md.
+inline bool prefetches_blocks() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 template <typename scalar_t>
 inline void prefetch_block(const scalar_t* block, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(block);
@@ -201,8 +207,10 @@ void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int
   s.acc.assign(heads * D, 0.f);
   s.inv_sum.resize(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
+  const bool prefetch = prefetches_blocks();
   for (int64_t n = 0; n < num_blocks; ++n) {
-    if (n + 2 < num_blocks) prefetch_block(kc + row[n + 2] * block + h0 * D * BS, part);
+    if (prefetch && n + 2 < num_blocks)
+      prefetch_block(kc + row[n + 2] * block + h0 * D * BS, part);
     for (int64_t h = 0; h < kv_count; ++h)
       for (int64_t g = 0; g < group; g += most)
         scores_of<scalar_t, BS, D>(std::min<int64_t>(most, group - g),
@@ -218,7 +226,8 @@ void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int
     s.inv_sum[i] = 1.f / softmax(scores, stride);
   }
   for (int64_t n = 0; n < num_blocks; ++n) {
-    if (n + 2 < num_blocks) prefetch_block(vc + row[n + 2] * block + h0 * D * BS, part);
+    if (prefetch && n + 2 < num_blocks)
+      prefetch_block(vc + row[n + 2] * block + h0 * D * BS, part);
     const int64_t valid = std::min<int64_t>(BS, len - n * BS);
     for (int64_t h = 0; h < kv_count; ++h)
       for (int64_t g = 0; g < group; g += most)

@@ -42,6 +42,17 @@ typedef float vf16_mem __attribute__((vector_size(64), aligned(4), may_alias));
 
 inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16_mem*>(p); }
 
+// A loaded vector kept in a register: GCC otherwise folds the load into each
+// multiply-add that uses it, so a K or V vector serving three query heads was
+// loaded three times, and attention ran short of load slots (bench/NOTES.md).
+// AVX2 has no register for 16 floats: there the compiler chooses.
+inline vf16 in_register(vf16 v) {
+#if defined(__AVX512F__)
+  asm volatile("" : "+v"(v));
+#endif
+  return v;
+}
+
 // Any other element type (bf16, fp16) is widened to fp32 on load.
 template <typename T>
 inline vf16 load16(const T* p) {
