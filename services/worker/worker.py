@@ -13,6 +13,7 @@ from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.attention import make_attention_backend
 from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.host_memory import keep_freed_host_memory
 from services.worker.lora.manager import LoRAManager
 from services.worker.cpu_matmul import prepare_cpu_linears
 from services.worker.linear import linear_layers
@@ -111,6 +112,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._cuda_start = CudaMemory.now(self.device)
+        elif not keep_freed_host_memory():
+            logger.info("malloc is not glibc's: freed activations may go back to the kernel")
         num_stages = parallel_config.pipeline_parallel_size
         tp = init_distributed(self.rank, parallel_config.tensor_parallel_size,
                               parallel_config.distributed_init_method, self.device, num_stages)
