@@ -92,7 +92,10 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     rows query_start_loc[i]:query_start_loc[i+1], the last of its seq_lens[i]
     tokens, whose K/V the cache already holds; each attends causally to its
     sequence's keys up to its own position."""
-    if _kernel_takes(query, key_cache) and query.is_contiguous():
+    # The query may be a view into the qkv projection (its tokens' rows wider than
+    # their heads), as the model passes it: the kernel reads it in place.
+    heads_contiguous = query.stride(2) == 1 and query.stride(1) == query.shape[2]
+    if _kernel_takes(query, key_cache) and heads_contiguous and out.is_contiguous():
         torch.ops.llmserve.paged_prefill_attention(query, key_cache, value_cache, block_table,
                                                    seq_lens, query_start_loc, scale, out)
     else:

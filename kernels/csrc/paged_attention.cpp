@@ -286,7 +286,8 @@ constexpr int64_t kPrefillRows = 48;
 template <typename q_t, typename scalar_t, int BS, int D>
 void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scalar_t* vc,
                   const int64_t* row, int64_t prefix, int64_t t0, int64_t t1, int64_t kv_heads,
-                  int64_t group, int64_t h, double scale, q_t* out, Scratch& s) {
+                  int64_t group, int64_t h, double scale, q_t* out, int64_t out_stride,
+                  Scratch& s) {
   constexpr int most = heads_per_pass<D>();
   const int64_t rows = (t1 - t0) * group, reach = prefix + t1;
   const int64_t num_blocks = (reach + BS - 1) / BS, stride = num_blocks * BS;
@@ -317,7 +318,7 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
                              vc + row[n] * block + head, s.acc.data() + i * D);
   }
   for (int64_t i = 0; i < rows; ++i) {
-    q_t* dst = out + (t0 + i / group) * q_stride + (h * group + i % group) * D;
+    q_t* dst = out + (t0 + i / group) * out_stride + (h * group + i % group) * D;
     for (int c = 0; c < D / 16; ++c)
       llmserve::store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * s.inv_sum[i]);
   }
@@ -349,7 +350,9 @@ struct Prefill {
         for (int64_t h = 0; h < KV; ++h)
           tiles.push_back({b, h, t0, std::min(t0 + positions, q_len)});
     }
-    const int64_t n = tiles.size(), q_stride = query.stride(0);
+    // The query may be a view into the qkv projection's rows (a token stride
+    // wider than its heads): read in place, not copied first.
+    const int64_t n = tiles.size(), q_stride = query.stride(0), o_stride = out.stride(0);
     const q_t* q = query.data_ptr<q_t>();
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
@@ -364,7 +367,7 @@ struct Prefill {
         prefill_item<q_t, scalar_t, BS, D>(
             q + starts[t.seq] * q_stride, q_stride, kc, vc,
             table + t.seq * block_table.size(1), lens[t.seq] - q_len, t.t0, t.t1, KV, group,
-            t.kv_head, scale, o + starts[t.seq] * q_stride, scratch);
+            t.kv_head, scale, o + starts[t.seq] * o_stride, o_stride, scratch);
       }
     });
   }
@@ -461,9 +464,10 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0,
               "query heads must be a multiple of KV heads");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query and out: contiguous [tokens, heads, head_dim] of one dtype");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
+                  out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "query and out: [tokens, heads, head_dim] of one dtype, each token's heads "
+              "contiguous (out contiguous)");
   block_table = block_table.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   query_start_loc = query_start_loc.to(torch::kInt64).contiguous();

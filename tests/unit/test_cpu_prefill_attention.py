@@ -102,3 +102,21 @@ def test_one_long_prompt_after_a_long_context():
     causal reach over 40 scattered blocks."""
     _check(_Batch([(500, 130)], 9, 3, 64, 16, torch.float32, torch.float32, seed=5),
            torch.float32)
+
+
+def test_a_query_viewed_in_the_qkv_rows_is_read_in_place():
+    """The model passes q as a view into its qkv projection (each token's row
+    wider than its heads): the kernel reads it there, and gives the very numbers
+    it gives for the same query made contiguous (the reference's differ in the
+    last bits, so equality also says the kernel ran)."""
+    batch = _Batch(MIXED, 9, 3, 64, 16, torch.float32, torch.float32, seed=11)
+    contiguous = batch.run(paged_prefill_attention)
+    tokens, heads, d = batch.query.shape
+    qkv = torch.randn(tokens, (heads + 2 * 3) * d)
+    qkv[:, :heads * d] = batch.query.reshape(tokens, heads * d)
+    batch.query = qkv[:, :heads * d].view(tokens, heads, d)
+    assert not batch.query.is_contiguous()
+    out = torch.full(batch.query.shape, 7.0)
+    paged_prefill_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+                            batch.seq_lens, batch.query_start_loc, batch.scale, out)
+    assert torch.equal(out, contiguous)
