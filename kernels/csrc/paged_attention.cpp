@@ -421,10 +421,14 @@ void dispatch_dtypes(const torch::Tensor& query, const torch::Tensor& key_cache,
 }
 
 // [T, heads, D] with each token's heads contiguous, as the kernels read them (any
-// token stride): a copy only when that does not hold already.
+// token stride).
+bool has_contiguous_heads(const torch::Tensor& x) {
+  return x.stride(2) == 1 && x.stride(1) == x.size(2);
+}
+
+// x itself where its heads are contiguous, else a contiguous copy.
 torch::Tensor heads_contiguous(const torch::Tensor& x) {
-  const bool ok = x.stride(2) == 1 && x.stride(1) == x.size(2);
-  return ok ? x : x.contiguous();
+  return has_contiguous_heads(x) ? x : x.contiguous();
 }
 
 }  // namespace
@@ -464,7 +468,7 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0,
               "query heads must be a multiple of KV heads");
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
+  TORCH_CHECK(has_contiguous_heads(query) && out.is_contiguous() &&
                   out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "query and out: [tokens, heads, head_dim] of one dtype, each token's heads "
               "contiguous (out contiguous)");

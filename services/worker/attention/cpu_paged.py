@@ -47,7 +47,7 @@ class CpuPagedBackend:
                                           meta.decode_seq_lens, scale)
         # Prefills read their own K/V back from the cache, written just above. q
         # stays a view into the qkv projection (the kernel takes its token stride).
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if meta.decode_seq_lens.numel():
             out[meta.decode_token_indices] = paged_decode_attention(
                 q[meta.decode_token_indices], key_cache, value_cache, meta.decode_block_table,
