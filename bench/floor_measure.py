@@ -16,13 +16,17 @@ MIN_RUNS = 3
 def make_weights(linears: list[tuple[str, int, int, int]],
                  dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """One weight per layer, in layer order: a pass streams the whole model from
-    memory as a real forward does (one weight reused would sit in the cache)."""
-    weights = []
-    for i in range(max(count for *_, count in linears)):
-        for name, k, n, count in linears:
-            if i < count:
-                weights.append((name, torch.randn(n, k).to(dtype)))
-    return weights
+    memory as a real forward does (one weight reused would sit in the cache). On
+    huge pages, as the worker keeps its weights, where this OS has them."""
+    from services.worker.host_memory import HugePageArena, huge_pages_available
+
+    shapes = [(name, (n, k)) for i in range(max(count for *_, count in linears))
+              for name, k, n, count in linears if i < count]
+    if not huge_pages_available():
+        return [(name, torch.randn(shape).to(dtype)) for name, shape in shapes]
+    arena = HugePageArena(HugePageArena.bytes_for(
+        [torch.empty(shape, dtype=dtype, device="meta") for _, shape in shapes]))
+    return [(name, arena.copy_of(torch.randn(shape).to(dtype))) for name, shape in shapes]
 
 
 # One layer of a pass: its shape's name, its input width, and x -> x W^T.

@@ -11,10 +11,23 @@ tcmalloc; glibc's own two settings do it without a library to install.
 What they cannot stop: protobuf's Python runtime (upb) calls malloc_trim(0)
 every 10,000 frees of its own, which hands every free heap page back whatever
 the thresholds say; a gRPC worker's steps still fault in part (bench/NOTES.md).
+
+The weights, which a decode step streams whole, live on transparent huge pages
+(HugePageArena): on 4 KB pages the walk through the page tables (two levels of
+them in a virtual machine) slows the stream; malloc and torch ask for huge pages
+only where the kernel applies them to every mapping, or torch's
+THP_MEM_ALLOC_ENABLE is set before its first large allocation.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # mallopt's parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -37,3 +50,62 @@ def keep_freed_host_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
             and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+
+
+HUGE_PAGE = 2 << 20
+# Each tensor starts on a cache line: vector loads of a row never straddle two.
+TENSOR_ALIGNMENT = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+
+
+class HugePageArena:
+    """One private anonymous mapping, advised for transparent huge pages and
+    aligned to them, handed out front to back as copies of tensors. The mapping
+    lives as long as any tensor cut from it."""
+
+    def __init__(self, nbytes: int):
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        self._bytes = torch.frombuffer(region, dtype=torch.uint8)
+        self._offset = (-self._bytes.data_ptr()) % HUGE_PAGE
+        self._end = self._offset + nbytes
+
+    @staticmethod
+    def bytes_for(tensors: list[torch.Tensor]) -> int:
+        return sum(_aligned(t.nbytes) for t in tensors)
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        start = self._offset
+        self._offset += _aligned(tensor.nbytes)
+        if self._offset > self._end:
+            raise ValueError(f"the arena's {self._end - start} bytes left cannot hold "
+                             f"{tensor.nbytes}")
+        view = self._bytes[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        return view.copy_(tensor)
+
+
+def huge_pages_available() -> bool:
+    """Whether this OS takes the advice (Linux; a kernel built without THP refuses it)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        HugePageArena(0)
+    except OSError:
+        return False
+    return True
+
+
+def weights_on_huge_pages(module: nn.Module) -> int:
+    """Moves the module's CPU parameters (tied ones once) into one HugePageArena,
+    one at a time, so the old copy of each is freed as the next moves; returns the
+    bytes moved, 0 where huge pages are not available."""
+    params = [p for p in module.parameters() if p.device.type == "cpu"]
+    if not params or not huge_pages_available():
+        return 0
+    arena = HugePageArena(HugePageArena.bytes_for(params))
+    for param in params:
+        param.data = arena.copy_of(param.data)
+    return HugePageArena.bytes_for(params)

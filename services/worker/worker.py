@@ -13,7 +13,7 @@ from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.attention import make_attention_backend
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.host_memory import keep_freed_host_memory
+from services.worker.host_memory import keep_freed_host_memory, weights_on_huge_pages
 from services.worker.lora.manager import LoRAManager
 from services.worker.cpu_matmul import prepare_cpu_linears
 from services.worker.linear import linear_layers
@@ -138,7 +138,7 @@ class Worker:
                 and not model_config.enforce_eager and not lora_config.enable_lora:
             graphs = DecodeGraphs(model, MAX_GRAPH_BATCH, model_config.max_model_len,
                                   cache_config.block_size, self.device, capture=True)
-        linears = (prepare_cpu_linears(linear_layers(model), dtype, weight_dtype)
+        linears = (_prepare_cpu_model(model, dtype, weight_dtype)
                    if self.device.type == "cpu" else "F.linear")
         lora = (LoRAManager(model, lora_config.max_loras, lora_config.max_lora_rank, tp,
                             dtype, self.device)
@@ -174,7 +174,7 @@ class Worker:
                 f"target {target.config.vocab_size}: a draft model must share the target's "
                 "tokenizer"))
         if self.device.type == "cpu":
-            prepare_cpu_linears(linear_layers(draft), dtype, weight_dtype)
+            _prepare_cpu_model(draft, dtype, weight_dtype)
         logger.info("worker %d: draft model %s (%d layers)", self.rank, spec.model,
                     draft.config.num_hidden_layers)
         return draft
@@ -214,6 +214,15 @@ class Worker:
     def remove_lora(self, lora_id: int) -> None:
         if self.model_runner.lora is not None:
             self.model_runner.lora.remove_adapter(lora_id)
+
+
+def _prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, weight_dtype) -> str:
+    """A loaded model made ready for the CPU: its weights moved onto huge pages (a
+    decode step streams them all), then each linear layer's strategy built from
+    them; returns the name of the linears' path."""
+    if not weights_on_huge_pages(model):
+        logger.info("no transparent huge pages here: the weights stay on 4 KB pages")
+    return prepare_cpu_linears(linear_layers(model), dtype, weight_dtype)
 
 
 def _log_stage(rank: int, model: torch.nn.Module) -> None:

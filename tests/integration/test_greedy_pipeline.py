@@ -4,7 +4,9 @@ import asyncio
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 from services.engine_core.engine_loop import EngineLoop
 from services.frontend.engine_client import InprocEngineClient
+from services.worker.host_memory import huge_pages_available
 from tests.conftest import PROMPTS, hf_generate_greedy, make_engine_core
+from tests.unit.test_host_memory import mapping_of
 
 MAX_TOKENS = 32
 
@@ -41,7 +43,11 @@ def test_batched_greedy_is_token_identical_to_transformers(model_dir, tokenizer,
             stopped_by.add(expected)
         assert stopped_by == {FinishReason.STOP, FinishReason.LENGTH}  # both paths covered
         assert core.stats().num_used_kv_blocks == 0
-        assert len(core.executor.workers[0].model_runner.input_batch) == 0
+        runner = core.executor.workers[0].model_runner
+        assert len(runner.input_batch) == 0
+        if huge_pages_available():  # the weights these tokens came from: on huge pages
+            assert {"hg" in mapping_of(p.data_ptr())[1]
+                    for p in runner.model.parameters()} == {True}
     finally:
         asyncio.run(client.close())
 

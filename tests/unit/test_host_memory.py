@@ -1,11 +1,16 @@
-"""The worker keeps the memory a step frees (services/worker/host_memory.py): a
-layer's activations, freed and taken again by the next layer, fault no page in
-twice."""
+"""The worker's host memory (services/worker/host_memory.py): a layer's
+activations, freed and taken again by the next layer, fault no page in twice;
+the weights sit on one mapping advised for transparent huge pages."""
 import ctypes
 import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
+
+from services.worker.host_memory import (HUGE_PAGE, HugePageArena, huge_pages_available,
+                                         weights_on_huge_pages)
 
 # A fresh interpreter per case: mallopt's settings last for the process. The
 # blocks come from glibc's malloc, as torch's CPU tensors do; their sizes are a
@@ -55,3 +60,43 @@ def test_a_layers_freed_activations_are_reused_without_page_faults():
     # them in again.
     assert _faults("default") > 10 * _PAGES_PER_LAYER // 2
     assert _faults("kept") < _PAGES_PER_LAYER // 10
+
+
+def mapping_of(address: int) -> tuple[int, set[str]]:
+    """The start of the mapping that holds `address`, and the kernel's flags for it
+    (/proc/self/smaps; "hg": advised for transparent huge pages)."""
+    low = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(" ", 1)[0]
+            if "-" in first and not first.endswith(":"):
+                lo, hi = (int(end, 16) for end in first.split("-"))
+                low = lo if lo <= address < hi else None
+            elif low is not None and line.startswith("VmFlags:"):
+                return low, set(line.split()[1:])
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")
+def test_weights_move_onto_one_huge_page_mapping_unchanged():
+    model = nn.ModuleDict({"embed": nn.Embedding(1000, 64), "proj": nn.Linear(64, 96),
+                           "head": nn.Linear(64, 1000, bias=False)})
+    model["head"].weight = model["embed"].weight  # tied, as SmolLM2's head is
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    params = list(model.parameters())
+    assert weights_on_huge_pages(model) == sum(-(-p.nbytes // 64) * 64 for p in params)
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert model["head"].weight is model["embed"].weight
+    assert all(isinstance(p, nn.Parameter) and p.data_ptr() % 64 == 0 for p in params)
+    starts = sorted(p.data_ptr() for p in params)
+    assert starts[0] % HUGE_PAGE == 0
+    mappings = {mapping_of(start)[0] for start in starts}
+    assert len(mappings) == 1 and "hg" in mapping_of(starts[0])[1]
+    assert model["proj"](model["embed"](torch.tensor([1, 2]))).shape == (2, 96)
+
+
+def test_an_arena_refuses_what_it_cannot_hold():
+    arena = HugePageArena(128)
+    arena.copy_of(torch.zeros(16))
+    with pytest.raises(ValueError, match="cannot hold"):
+        arena.copy_of(torch.zeros(32))
