@@ -144,6 +144,11 @@ class Worker:
                             dtype, self.device)
                 if lora_config.enable_lora else None)
         draft = self._load_draft_model(config, model, dtype, weight_dtype, backend)
+        # After the linears' strategies and LoRA: the C++ loop takes plain layers only.
+        in_cpp = self.device.type == "cpu" and lora is None
+        decode = "one C++ call" if in_cpp and model.use_cpu_decode_layers() else "Python"
+        if in_cpp and draft is not None:
+            draft.use_cpu_decode_layers()
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,
                                         model_config.max_model_len, graphs, lora, dtype,
                                         config.speculative, draft)
@@ -152,8 +157,8 @@ class Worker:
             self.rank, world, str(self.device), _name(dtype), _name(weight_dtype or dtype),
             _name(kv_dtype), backend.name, model.stage.rank)
         logger.info("worker %d on %s: %s, %s attention, linears: %s, KV cache %s, CUDA graphs "
-                    "%s", self.rank, self.device, dtype, backend.name, linears, kv_dtype,
-                    "on" if graphs else "off")
+                    "%s, decode steps' layers in %s", self.rank, self.device, dtype, backend.name,
+                    linears, kv_dtype, "on" if graphs else "off", decode)
         _log_stage(self.rank, model)
         return LoadedModel(vocab_size=model.config.vocab_size, dtype=_name(dtype),
                            kv_block_bytes=self.model_runner.kv_block_bytes(),

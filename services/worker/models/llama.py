@@ -15,6 +15,7 @@ from services.worker.attention import AttentionMetadata, CpuPagedBackend
 from services.worker.layers import RMSNorm, Rope, RotaryEmbedding, apply_rope, silu_and_mul
 from services.worker.linear import (PackedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                     VocabParallelEmbedding)
+from services.worker.models.cpu_decode_layers import CpuDecodeLayers
 from services.worker.parallel import SINGLE, TensorParallel
 from services.worker.pipeline import SINGLE_STAGE, IntermediateTensors, PipelineStage
 
@@ -140,6 +141,9 @@ class LlamaModel(nn.Module):
             else MissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        # Decode steps through every layer in one C++ call, where the worker set it
+        # up (cpu_decode_layers.py).
+        self.cpu_decode: CpuDecodeLayers | None = None
 
     @property
     def own_layers(self) -> list[LlamaDecoderLayer]:
@@ -155,6 +159,8 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary(positions)
+        if self.cpu_decode is not None and self.cpu_decode.takes(x, meta):
+            return self.cpu_decode(x, rope, meta)
         for layer in self.own_layers:
             x, residual = layer(rope, x, residual, meta)
         if not self.stage.is_last:
@@ -187,6 +193,13 @@ class LlamaForCausalLM(nn.Module):
                         if stage.is_last else None)
         if self.tie_word_embeddings and stage.is_first and stage.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_cpu_decode_layers(self) -> bool:
+        """Runs decode steps through the layers in one C++ call from now on, where
+        every layer is plain (cpu_decode_layers.py); call once the linears are
+        prepared and LoRA set up. Whether it could."""
+        self.model.cpu_decode = CpuDecodeLayers.of(self.model)
+        return self.model.cpu_decode is not None
 
     @property
     def attention_layers(self) -> list[LlamaAttention]:

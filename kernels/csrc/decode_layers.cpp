@@ -1,0 +1,84 @@
+// A decode step of a few sequences through every layer of a Llama-family model,
+// in one call: the same kernels, in the same order and on the same tensors, as
+// LlamaDecoderLayer.forward runs them one by one from Python. At one stream a
+// step's ~500 kernel calls are short, and the Python and dispatch around each
+// one cost more than the element-wise kernels themselves (bench/NOTES.md);
+// here each costs a C++ call. Plain layers only (no biases, no q/k norms, no
+// LoRA, one rank): services/worker/models/cpu_decode_layers.py decides.
+#include <torch/extension.h>
+
+#include <vector>
+
+// The kernels, from layers.cpp, gemv.cpp and paged_attention.cpp.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps);
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
+                      torch::Tensor cos_sin);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight);
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
+                    torch::Tensor value_cache, torch::Tensor slot_mapping);
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_table,
+                                     torch::Tensor seq_lens, double scale);
+
+namespace {
+
+// Per layer in `weights`: input norm, qkv, o, post-attention norm, gate_up, down.
+constexpr int64_t kPerLayer = 6;
+
+struct Step {
+  torch::Tensor positions, cos_sin, slot_mapping, block_table, seq_lens;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+};
+
+// Attention then MLP of one layer, from its normed input x; leaves the residual
+// stream updated and returns the MLP's output (not yet added to it).
+torch::Tensor layer(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor* w,
+                    const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                    const Step& s) {
+  const int64_t T = x.size(0), q_size = s.num_heads * s.head_dim;
+  const int64_t kv_size = s.num_kv_heads * s.head_dim;
+  auto qkv = gemv(x, w[1]);
+  auto q = qkv.narrow(1, 0, q_size).view({T, s.num_heads, s.head_dim});
+  auto k = qkv.narrow(1, q_size, kv_size).view({T, s.num_kv_heads, s.head_dim});
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, s.num_kv_heads, s.head_dim});
+  rotary_embedding(q, k, s.positions, s.cos_sin);
+  write_kv_cache(k, v, key_cache, value_cache, s.slot_mapping);
+  auto attn = paged_decode_attention(q, key_cache, value_cache, s.block_table, s.seq_lens,
+                                     s.scale);
+  auto h = gemv(attn.view({T, q_size}), w[2]);
+  fused_add_rms_norm(h, residual, w[3], s.eps);
+  return gemv(silu_and_mul(gemv(h, w[4])), w[5]);
+}
+
+}  // namespace
+
+// x: the step's embeddings [T, hidden]; weights: kPerLayer per layer, then the
+// final norm's; caches: each layer's key and value caches. Returns the final
+// norm of the last hidden states, as LlamaModel.forward does.
+torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                  std::vector<torch::Tensor> caches, torch::Tensor positions,
+                                  torch::Tensor cos_sin, torch::Tensor slot_mapping,
+                                  torch::Tensor block_table, torch::Tensor seq_lens,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  double eps, double scale) {
+  const int64_t num_layers = static_cast<int64_t>(caches.size()) / 2;
+  TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(weights.size()) ==
+              num_layers * kPerLayer + 1, "llama_decode_layers: ", kPerLayer,
+              " weights per layer and the final norm's, two caches per layer");
+  const Step s{positions, cos_sin, slot_mapping, block_table, seq_lens, num_heads,
+               num_kv_heads, head_dim, eps, scale};
+  // The first layer: the embeddings are the residual stream, normed apart.
+  torch::Tensor residual = x;
+  torch::Tensor h = rms_norm(x, weights[0], eps);
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const torch::Tensor* w = weights.data() + i * kPerLayer;
+    if (i > 0) fused_add_rms_norm(h, residual, w[0], eps);
+    h = layer(h, residual, w, caches[2 * i], caches[2 * i + 1], s);
+  }
+  fused_add_rms_norm(h, residual, weights.back(), eps);
+  return h;
+}

@@ -1,0 +1,150 @@
+"""Decode steps through every layer in one C++ call (services/worker/models/
+cpu_decode_layers.py) against the Python layers: the same hidden states bit for bit,
+on tiny random models, and the default model's greedy tokens against transformers
+with the worker's own set-up."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from services.common.request_types import EngineCoreRequest, SamplingParams
+from services.common.scheduler_output import (CachedRequestData, NewRequestData,
+                                              SchedulerOutput)
+from services.worker.cpu_matmul.gemv import GemvForFewRows
+from services.worker.cpu_matmul.strategy import FLinear
+from services.worker.linear import linear_layers
+from services.worker.model_loader import load_model
+from services.worker.model_runner import ModelRunner
+from tests.conftest import PROMPTS, hf_generate_greedy, make_engine_core
+from tests.integration.tiny_models import (BLOCK_SIZE, MAX_POSITIONS, TINY, VOCAB_SIZE,
+                                           _append, step_logits, tiny_hf_model)
+
+CPU = torch.device("cpu")
+# TINY with heads of 32: a head size the attention kernels are built for.
+SHAPE = {**TINY, "hidden_size": 128, "intermediate_size": 256}
+
+
+def _tiny(config, tmp_path, dtype=torch.float32):
+    """A tiny model whose linears all run our GEMV for up to two rows (whatever this
+    CPU's own choice would be), as the C++ loop needs."""
+    tiny_hf_model(config).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype, MAX_POSITIONS, CPU)
+    for layer in linear_layers(model):
+        layer.cpu_weights = GemvForFewRows(layer.weight, 2, FLinear(layer.weight))
+    return model
+
+
+def _both_ways(runner: ModelRunner, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's final hidden states through the C++ loop, then through the Python
+    layers (which write the same K/V to the same slots again)."""
+    runner.update_states(so)
+    step = runner.input_batch.prepare(so)
+    inner = runner.model.model
+    fast = inner.cpu_decode
+    assert fast.takes(step.input_ids, step.attn_metadata)
+    outs = []
+    for path in (fast, None):
+        inner.cpu_decode = path
+        with torch.inference_mode():
+            outs.append(runner.model(step.input_ids, step.positions, step.attn_metadata))
+    inner.cpu_decode = fast
+    return outs[0], outs[1]
+
+
+def _decode_steps(model, kv_dtype: torch.dtype) -> None:
+    """Prefills two requests (the Python layers), then decodes both together and one
+    alone, through both paths at each decode."""
+    params = SamplingParams(temperature=0)
+    runner = ModelRunner(model, BLOCK_SIZE, CPU, kv_dtype, MAX_POSITIONS)
+    runner.init_kv_cache(16)
+    a, b = list(range(3, 22)), list(range(40, 70))
+    step_logits(runner, SchedulerOutput(
+        new_requests=[NewRequestData("a", a, params, [3, 7], 0),
+                      NewRequestData("b", b, params, [10, 4], 0)],
+        num_scheduled_tokens={"a": len(a), "b": len(b)}))
+    _append(runner, {"a": 5, "b": VOCAB_SIZE - 1})
+    ours, python = _both_ways(runner, SchedulerOutput(
+        cached_requests=[CachedRequestData("a", [], len(a)), CachedRequestData("b", [], len(b))],
+        num_scheduled_tokens={"a": 1, "b": 1}))
+    assert torch.equal(ours, python)
+    _append(runner, {"a": 6})
+    ours, python = _both_ways(runner, SchedulerOutput(
+        cached_requests=[CachedRequestData("a", [], len(a) + 1)],
+        num_scheduled_tokens={"a": 1}))
+    assert torch.equal(ours, python)
+
+
+PLAIN = {
+    "llama-tied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True),
+    "llama-untied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32),
+                                             (torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("case", PLAIN)
+def test_the_cpp_loop_equals_the_python_layers(case, dtype, kv_dtype, tmp_path):
+    model = _tiny(PLAIN[case](), tmp_path, dtype)
+    assert model.use_cpu_decode_layers()
+    _decode_steps(model, kv_dtype)
+
+
+@pytest.mark.parametrize("config", [
+    lambda: LlamaConfig(**SHAPE, attention_bias=True),  # biases
+    lambda: Qwen2Config(**SHAPE),  # q/k/v biases
+    lambda: Qwen3Config(**SHAPE, head_dim=32),  # q/k norms
+], ids=["llama-bias", "qwen2", "qwen3"])
+def test_layers_that_are_not_plain_stay_in_python(config, tmp_path):
+    model = _tiny(config(), tmp_path)
+    assert not model.use_cpu_decode_layers()
+    assert model.model.cpu_decode is None
+
+
+def test_a_linear_off_our_gemv_or_with_lora_stays_in_python(tmp_path):
+    model = _tiny(LlamaConfig(**SHAPE), tmp_path)
+    down = model.model.layers[1].mlp.down_proj
+    gemv = down.cpu_weights
+    down.cpu_weights = FLinear(down.weight)
+    assert not model.use_cpu_decode_layers()
+    down.cpu_weights, down.lora = gemv, object()
+    assert not model.use_cpu_decode_layers()
+    del down.lora  # back to the class's None
+    assert model.use_cpu_decode_layers()
+
+
+def test_one_stream_of_the_default_model_equals_transformers(model_dir, tokenizer, hf_model):
+    """The worker as it sets itself up on this CPU; where its linears run our GEMV, the
+    C++ loop serves the single stream's decodes (counted)."""
+    core = make_engine_core(model_dir)
+    model = core.executor.workers[0].model_runner.model
+    on_gemv = isinstance(model.model.layers[0].self_attn.qkv_proj.cpu_weights, GemvForFewRows)
+    assert (model.model.cpu_decode is not None) == on_gemv
+    calls = []
+    if on_gemv:
+        fast = model.model.cpu_decode
+        model.model.cpu_decode = _Counting(fast, calls)
+    eos = [hf_model.config.eos_token_id]
+    for i, prompt in enumerate(PROMPTS[:2]):
+        ids = tokenizer(prompt)["input_ids"]
+        core.add_request(EngineCoreRequest(f"r{i}", ids, SamplingParams(max_tokens=24,
+                                                                        temperature=0), eos))
+        tokens = []
+        while core.has_work():
+            tokens += [t for out in core.step() for t in out.new_token_ids]
+        assert tokens == hf_generate_greedy(hf_model, ids, 24)
+    assert core.stats().num_used_kv_blocks == 0
+    assert not on_gemv or len(calls) >= 2 * 20
+
+
+class _Counting:
+    def __init__(self, fast, calls: list):
+        self.fast, self.calls = fast, calls
+
+    def takes(self, x, meta) -> bool:
+        return self.fast.takes(x, meta)
+
+    def __call__(self, *args):
+        self.calls.append(1)
+        return self.fast(*args)
