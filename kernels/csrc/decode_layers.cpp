@@ -1,10 +1,11 @@
-// A decode step of a few sequences through every layer of a Llama-family model,
-// in one call: the same kernels, in the same order and on the same tensors, as
+// A decode step through every layer of a Llama-family model, in one call: the
+// same kernels, in the same order and on the same tensors, as
 // LlamaDecoderLayer.forward runs them one by one from Python. At one stream a
 // step's ~500 kernel calls are short, and the Python and dispatch around each
 // one cost more than the element-wise kernels themselves (bench/NOTES.md);
 // here each costs a C++ call. Plain layers only (no biases, no q/k norms, no
 // LoRA, one rank): services/worker/models/cpu_decode_layers.py decides.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -25,23 +26,44 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 
 namespace {
 
-// Per layer in `weights`: input norm, qkv, o, post-attention norm, gate_up, down.
+// Per layer in `weights`: input norm, qkv, o, post-attention norm, gate_up, down;
+// in `packed`, where given: qkv, o, gate_up, down as oneDNN packed them.
 constexpr int64_t kPerLayer = 6;
+constexpr int64_t kPackedPerLayer = 4;
 
 struct Step {
   torch::Tensor positions, cos_sin, slot_mapping, block_table, seq_lens;
-  int64_t num_heads, num_kv_heads, head_dim;
+  int64_t num_heads, num_kv_heads, head_dim, gemv_rows;
   double eps, scale;
 };
+
+// x W^T as the linear's strategy (cpu_matmul/gemv.py GemvForFewRows) computes it:
+// our GEMV up to its rows, else oneDNN's product with the packed weight, called
+// as OneDNNWeights calls it.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor* packed, const Step& s) {
+  if (x.size(0) <= s.gemv_rows) return gemv(x, weight);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, *packed, c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
 // Attention then MLP of one layer, from its normed input x; leaves the residual
 // stream updated and returns the MLP's output (not yet added to it).
 torch::Tensor layer(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor* w,
-                    const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                    const Step& s) {
+                    const torch::Tensor* p, const torch::Tensor& key_cache,
+                    const torch::Tensor& value_cache, const Step& s) {
   const int64_t T = x.size(0), q_size = s.num_heads * s.head_dim;
   const int64_t kv_size = s.num_kv_heads * s.head_dim;
-  auto qkv = gemv(x, w[1]);
+  // The j-th linear of the layer (qkv, o, gate_up, down) on `in`.
+  auto lin = [&](const torch::Tensor& in, int j) {
+    static constexpr int kWeight[] = {1, 2, 4, 5};
+    return linear(in, w[kWeight[j]], p ? p + j : nullptr, s);
+  };
+  auto qkv = lin(x, 0);
   auto q = qkv.narrow(1, 0, q_size).view({T, s.num_heads, s.head_dim});
   auto k = qkv.narrow(1, q_size, kv_size).view({T, s.num_kv_heads, s.head_dim});
   auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, s.num_kv_heads, s.head_dim});
@@ -49,35 +71,42 @@ torch::Tensor layer(const torch::Tensor& x, torch::Tensor& residual, const torch
   write_kv_cache(k, v, key_cache, value_cache, s.slot_mapping);
   auto attn = paged_decode_attention(q, key_cache, value_cache, s.block_table, s.seq_lens,
                                      s.scale);
-  auto h = gemv(attn.view({T, q_size}), w[2]);
+  auto h = lin(attn.view({T, q_size}), 1);
   fused_add_rms_norm(h, residual, w[3], s.eps);
-  return gemv(silu_and_mul(gemv(h, w[4])), w[5]);
+  return lin(silu_and_mul(lin(h, 2)), 3);
 }
 
 }  // namespace
 
 // x: the step's embeddings [T, hidden]; weights: kPerLayer per layer, then the
-// final norm's; caches: each layer's key and value caches. Returns the final
-// norm of the last hidden states, as LlamaModel.forward does.
+// final norm's; packed: kPackedPerLayer per layer, or none where every step has
+// at most gemv_rows rows; caches: each layer's key and value caches. Returns the
+// final norm of the last hidden states, as LlamaModel.forward does.
 torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                  std::vector<torch::Tensor> packed,
                                   std::vector<torch::Tensor> caches, torch::Tensor positions,
                                   torch::Tensor cos_sin, torch::Tensor slot_mapping,
                                   torch::Tensor block_table, torch::Tensor seq_lens,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  double eps, double scale) {
+                                  int64_t gemv_rows, double eps, double scale) {
   const int64_t num_layers = static_cast<int64_t>(caches.size()) / 2;
+  const auto num_packed = static_cast<int64_t>(packed.size());
   TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(weights.size()) ==
               num_layers * kPerLayer + 1, "llama_decode_layers: ", kPerLayer,
               " weights per layer and the final norm's, two caches per layer");
+  TORCH_CHECK(num_packed == num_layers * kPackedPerLayer || (num_packed == 0 &&
+              x.size(0) <= gemv_rows), "llama_decode_layers: ", kPackedPerLayer,
+              " packed weights per layer for steps of more than ", gemv_rows, " rows");
   const Step s{positions, cos_sin, slot_mapping, block_table, seq_lens, num_heads,
-               num_kv_heads, head_dim, eps, scale};
+               num_kv_heads, head_dim, gemv_rows, eps, scale};
   // The first layer: the embeddings are the residual stream, normed apart.
   torch::Tensor residual = x;
   torch::Tensor h = rms_norm(x, weights[0], eps);
   for (int64_t i = 0; i < num_layers; ++i) {
     const torch::Tensor* w = weights.data() + i * kPerLayer;
     if (i > 0) fused_add_rms_norm(h, residual, w[0], eps);
-    h = layer(h, residual, w, caches[2 * i], caches[2 * i + 1], s);
+    const torch::Tensor* p = num_packed ? packed.data() + i * kPackedPerLayer : nullptr;
+    h = layer(h, residual, w, p, caches[2 * i], caches[2 * i + 1], s);
   }
   fused_add_rms_norm(h, residual, weights.back(), eps);
   return h;

@@ -23,11 +23,12 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight);
 bool amx_bf16_available();
 torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                  std::vector<torch::Tensor> packed,
                                   std::vector<torch::Tensor> caches, torch::Tensor positions,
                                   torch::Tensor cos_sin, torch::Tensor slot_mapping,
                                   torch::Tensor block_table, torch::Tensor seq_lens,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  double eps, double scale);
+                                  int64_t gemv_rows, double eps, double scale);
 torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed);
 
 TORCH_LIBRARY(llmserve, m) {
@@ -45,9 +46,10 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("amx_bf16_available() -> bool");
-  m.def("llama_decode_layers(Tensor x, Tensor[] weights, Tensor(a!)[] caches, Tensor positions, "
-        "Tensor cos_sin, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+  m.def("llama_decode_layers(Tensor x, Tensor[] weights, Tensor[] packed, Tensor(a!)[] caches, "
+        "Tensor positions, Tensor cos_sin, Tensor slot_mapping, Tensor block_table, "
+        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, int gemv_rows, "
+        "float eps, float scale) -> Tensor");
   m.def("amx_bf16_linear(Tensor x, Tensor packed) -> Tensor");
 }
 
@@ -62,6 +64,12 @@ TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gemv", &gemv);
   m.impl("amx_bf16_linear", &amx_bf16_linear);
+  m.impl("llama_decode_layers", &llama_decode_layers);
+}
+
+// oneDNN's packed weights, among its arguments, carry the MkldnnCPU key, which
+// outranks CPU in dispatch.
+TORCH_LIBRARY_IMPL(llmserve, MkldnnCPU, m) {
   m.impl("llama_decode_layers", &llama_decode_layers);
 }
 

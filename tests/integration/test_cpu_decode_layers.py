@@ -12,10 +12,12 @@ from services.common.request_types import EngineCoreRequest, SamplingParams
 from services.common.scheduler_output import (CachedRequestData, NewRequestData,
                                               SchedulerOutput)
 from services.worker.cpu_matmul.gemv import GemvForFewRows
+from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 from services.worker.cpu_matmul.strategy import FLinear
 from services.worker.linear import linear_layers
 from services.worker.model_loader import load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.models.cpu_decode_layers import ANY_ROWS
 from tests.conftest import PROMPTS, hf_generate_greedy, make_engine_core
 from tests.integration.tiny_models import (BLOCK_SIZE, MAX_POSITIONS, TINY, VOCAB_SIZE,
                                            _append, step_logits, tiny_hf_model)
@@ -26,12 +28,15 @@ SHAPE = {**TINY, "hidden_size": 128, "intermediate_size": 256}
 
 
 def _tiny(config, tmp_path, dtype=torch.float32):
-    """A tiny model whose linears all run our GEMV for up to two rows (whatever this
-    CPU's own choice would be), as the C++ loop needs."""
+    """A tiny model whose linears all run our GEMV for up to two rows and oneDNN's
+    packed weights above (whatever this CPU's own choice would be), as the C++ loop
+    takes them."""
     tiny_hf_model(config).save_pretrained(tmp_path)
     model = load_model(str(tmp_path), dtype, MAX_POSITIONS, CPU)
+    # oneDNN in bf16 only where the CPU computes it (as choose.py rules).
+    many = OneDNNWeights if dtype == torch.float32 or onednn_native(dtype) else FLinear
     for layer in linear_layers(model):
-        layer.cpu_weights = GemvForFewRows(layer.weight, 2, FLinear(layer.weight))
+        layer.cpu_weights = GemvForFewRows(layer.weight, 2, many(layer.weight))
     return model
 
 
@@ -42,7 +47,8 @@ def _both_ways(runner: ModelRunner, so: SchedulerOutput) -> tuple[torch.Tensor, 
     step = runner.input_batch.prepare(so)
     inner = runner.model.model
     fast = inner.cpu_decode
-    assert fast.takes(step.input_ids, step.attn_metadata)
+    assert fast.takes(step.input_ids, step.attn_metadata) == (
+        bool(fast.packed) or len(step.input_ids) <= 2)
     outs = []
     for path in (fast, None):
         inner.cpu_decode = path
@@ -53,26 +59,26 @@ def _both_ways(runner: ModelRunner, so: SchedulerOutput) -> tuple[torch.Tensor, 
 
 
 def _decode_steps(model, kv_dtype: torch.dtype) -> None:
-    """Prefills two requests (the Python layers), then decodes both together and one
-    alone, through both paths at each decode."""
+    """Prefills three requests (the Python layers), then decodes three together
+    (oneDNN's rows, where the model has them), two (the GEMV's) and one, through both
+    paths at each decode."""
     params = SamplingParams(temperature=0)
     runner = ModelRunner(model, BLOCK_SIZE, CPU, kv_dtype, MAX_POSITIONS)
     runner.init_kv_cache(16)
-    a, b = list(range(3, 22)), list(range(40, 70))
+    prompts = {"a": list(range(3, 22)), "b": list(range(40, 70)), "c": list(range(90, 96))}
+    blocks = {"a": [3, 7], "b": [10, 4], "c": [12]}
     step_logits(runner, SchedulerOutput(
-        new_requests=[NewRequestData("a", a, params, [3, 7], 0),
-                      NewRequestData("b", b, params, [10, 4], 0)],
-        num_scheduled_tokens={"a": len(a), "b": len(b)}))
-    _append(runner, {"a": 5, "b": VOCAB_SIZE - 1})
-    ours, python = _both_ways(runner, SchedulerOutput(
-        cached_requests=[CachedRequestData("a", [], len(a)), CachedRequestData("b", [], len(b))],
-        num_scheduled_tokens={"a": 1, "b": 1}))
-    assert torch.equal(ours, python)
-    _append(runner, {"a": 6})
-    ours, python = _both_ways(runner, SchedulerOutput(
-        cached_requests=[CachedRequestData("a", [], len(a) + 1)],
-        num_scheduled_tokens={"a": 1}))
-    assert torch.equal(ours, python)
+        new_requests=[NewRequestData(r, p, params, blocks[r], 0) for r, p in prompts.items()],
+        num_scheduled_tokens={r: len(p) for r, p in prompts.items()}))
+    computed = {r: len(p) for r, p in prompts.items()}
+    for decoding in ("abc", "ab", "a"):
+        _append(runner, {r: VOCAB_SIZE - 1 - i for i, r in enumerate(decoding)})
+        ours, python = _both_ways(runner, SchedulerOutput(
+            cached_requests=[CachedRequestData(r, [], computed[r]) for r in decoding],
+            num_scheduled_tokens={r: 1 for r in decoding}))
+        assert torch.equal(ours, python), decoding
+        for r in decoding:
+            computed[r] += 1
 
 
 PLAIN = {
@@ -112,6 +118,19 @@ def test_a_linear_off_our_gemv_or_with_lora_stays_in_python(tmp_path):
     assert not model.use_cpu_decode_layers()
     del down.lora  # back to the class's None
     assert model.use_cpu_decode_layers()
+    assert model.model.cpu_decode.max_rows == ANY_ROWS
+
+
+def test_without_onednn_above_the_gemv_it_takes_the_gemvs_rows_only(tmp_path):
+    model = _tiny(LlamaConfig(**SHAPE), tmp_path)
+    down = model.model.layers[0].mlp.down_proj
+    down.cpu_weights = GemvForFewRows(down.weight, 2, FLinear(down.weight))
+    assert model.use_cpu_decode_layers()
+    assert model.model.cpu_decode.max_rows == 2 and not model.model.cpu_decode.packed
+    # Linears that leave the GEMV at different rows: the fewest, GEMV only.
+    down.cpu_weights = GemvForFewRows(down.weight, 1, OneDNNWeights(down.weight))
+    assert model.use_cpu_decode_layers()
+    assert model.model.cpu_decode.max_rows == 1 and not model.model.cpu_decode.packed
 
 
 def test_one_stream_of_the_default_model_equals_transformers(model_dir, tokenizer, hf_model):

@@ -5,8 +5,10 @@ At one stream a step is ~500 short kernel calls, and the Python and dispatch
 around each (module calls, wrappers, views) cost more than the element-wise
 kernels themselves (bench/NOTES.md). The C++ loop runs the same kernels in the
 same order on the same tensors as LlamaDecoderLayer.forward, so its tokens are
-the same; it takes plain layers only, and the Python layers run everything else
-(prefills, mixed steps, more rows than our GEMV takes)."""
+the same. It takes decode steps of plain layers whose linears run our GEMV for
+few rows and, above, oneDNN's packed weights (the fp32 and 16-bit paths off
+Intel; steps of more rows where another library serves them stay in Python);
+the Python layers run everything else (prefills, mixed steps)."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +17,10 @@ from kernels.cpu_build import cpu_ops_available
 from kernels.paged_attention import KERNEL_BLOCK_SIZES, KERNEL_HEAD_DIMS
 from services.worker.attention import AttentionMetadata, CpuPagedBackend
 from services.worker.cpu_matmul.gemv import GemvForFewRows
+from services.worker.cpu_matmul.onednn import OneDNNWeights
+
+# A step of any number of rows, where every linear has oneDNN's packed weights.
+ANY_ROWS = 1 << 30
 
 
 def _plain_linears(layer) -> list | None:
@@ -32,10 +38,12 @@ class CpuDecodeLayers:
     """The weights of a model's layers listed once, in the C++ loop's order, and
     their KV caches as the model runner binds them."""
 
-    def __init__(self, model, weights: list[torch.Tensor], max_rows: int):
+    def __init__(self, model, weights: list[torch.Tensor], packed: list[torch.Tensor],
+                 gemv_rows: int):
         self.layers = model.own_layers
-        self.weights = weights
-        self.max_rows = max_rows
+        self.weights, self.packed = weights, packed
+        self.gemv_rows = gemv_rows
+        self.max_rows = ANY_ROWS if packed else gemv_rows
         attn = self.layers[0].self_attn
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.scale = attn.scale
@@ -51,20 +59,26 @@ class CpuDecodeLayers:
         stage, layers = model.stage, model.own_layers
         if not (cpu_ops_available() and stage.is_first and stage.is_last and layers):
             return None
-        weights, rows = [], []
+        weights, packed, strategies = [], [], []
         for layer in layers:
             attn, linears = layer.self_attn, _plain_linears(layer)
             if (linears is None or attn.q_norm is not None or attn.head_dim not in KERNEL_HEAD_DIMS
                     or not isinstance(attn.backend, CpuPagedBackend)):
                 return None
-            qkv, o, gate_up, down = (lin.cpu_weights.gemv_weight for lin in linears)
-            weights += [layer.input_layernorm.weight, qkv, o,
-                        layer.post_attention_layernorm.weight, gate_up, down]
-            rows += [lin.cpu_weights.max_rows for lin in linears]
-        return cls(model, weights + [model.norm.weight], min(rows))
+            qkv, o, gate_up, down = (lin.cpu_weights for lin in linears)
+            weights += [layer.input_layernorm.weight, qkv.gemv_weight, o.gemv_weight,
+                        layer.post_attention_layernorm.weight, gate_up.gemv_weight,
+                        down.gemv_weight]
+            strategies += [qkv, o, gate_up, down]
+        rows = {s.max_rows for s in strategies}
+        # Above the GEMV's rows, oneDNN, where every linear has it and switches at
+        # the same rows (C++ keeps one threshold); else the GEMV's rows alone.
+        if len(rows) == 1 and all(isinstance(s.many, OneDNNWeights) for s in strategies):
+            packed = [s.many.packed for s in strategies]
+        return cls(model, weights + [model.norm.weight], packed, min(rows))
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Decodes only, no more rows than every GEMV takes, caches the kernels read."""
+        """Decodes only, rows the linears take in C++, caches the kernels read."""
         return meta.decodes_only and x.shape[0] <= self.max_rows and bool(self.caches())
 
     def caches(self) -> list[torch.Tensor]:
@@ -82,6 +96,6 @@ class CpuDecodeLayers:
         """The final norm of the last layer's output, from the step's embeddings x."""
         num_heads, num_kv_heads, head_dim = self.shape
         return torch.ops.llmserve.llama_decode_layers(
-            x, self.weights, self._caches, rope.positions, rope.cos_sin, meta.slot_mapping,
-            meta.decode_block_table, meta.decode_seq_lens, num_heads, num_kv_heads, head_dim,
-            self.eps, self.scale)
+            x, self.weights, self.packed, self._caches, rope.positions, rope.cos_sin,
+            meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens, num_heads,
+            num_kv_heads, head_dim, self.gemv_rows, self.eps, self.scale)
