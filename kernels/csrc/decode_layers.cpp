@@ -10,19 +10,7 @@
 
 #include <vector>
 
-// The kernels, from layers.cpp, gemv.cpp and paged_attention.cpp.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                        double eps);
-void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
-                      torch::Tensor cos_sin);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight);
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
-                    torch::Tensor value_cache, torch::Tensor slot_mapping);
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale);
+#include "ops.h"
 
 namespace {
 

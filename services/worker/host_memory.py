@@ -21,13 +21,10 @@ THP_MEM_ALLOC_ENABLE is set before its first large allocation.
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 # mallopt's parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
