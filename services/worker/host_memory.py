@@ -102,7 +102,8 @@ def weights_on_huge_pages(module: nn.Module) -> int:
     params = [p for p in module.parameters() if p.device.type == "cpu"]
     if not params or not huge_pages_available():
         return 0
-    arena = HugePageArena(HugePageArena.bytes_for(params))
+    nbytes = HugePageArena.bytes_for(params)
+    arena = HugePageArena(nbytes)
     for param in params:
         param.data = arena.copy_of(param.data)
-    return HugePageArena.bytes_for(params)
+    return nbytes

@@ -96,6 +96,6 @@ class CpuDecodeLayers:
         """The final norm of the last layer's output, from the step's embeddings x."""
         num_heads, num_kv_heads, head_dim = self.shape
         return torch.ops.llmserve.llama_decode_layers(
-            x, self.weights, self.packed, self._caches, rope.positions, rope.cos_sin,
+            x, self.weights, self.packed, self.caches(), rope.positions, rope.cos_sin,
             meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens, num_heads,
             num_kv_heads, head_dim, self.gemv_rows, self.eps, self.scale)
