@@ -35,15 +35,18 @@ Layer = tuple[str, int, Callable[[torch.Tensor], torch.Tensor]]
 
 # The GEMV kernel's path; it takes at most GEMV_MAX_ROWS rows.
 GEMV_PATH = "llmserve GEMV"
+PACKED_GEMM_PATH = "llmserve packed GEMM"
 
 
 def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable]]:
     """Each way we know to compute x W^T on this CPU, as a maker of x -> x W^T for
-    a weight: F.linear, W packed once by oneDNN (what vLLM-CPU runs) or by MKL
-    (inductor's freezing; as the engine runs it, so F.linear outside PACKED_ROWS),
-    and, for a few rows, our GEMV kernel reading W as it is. Which is fastest
-    depends on the CPU: MKL runs generic code on non-Intel ones."""
+    a weight: F.linear, W packed once by oneDNN (what vLLM-CPU runs), by MKL
+    (inductor's freezing; as the engine runs it, so F.linear outside PACKED_ROWS)
+    or by us for our GEMM kernel (fp32, AVX-512), and, for a few rows, our GEMV
+    kernel reading W as it is. Which is fastest depends on the CPU: MKL runs
+    generic code on non-Intel ones."""
     from kernels.cpu_build import cpu_ops_available
+    from services.worker.cpu_matmul.gemm import PackedGemmWeights, packed_gemm_available
     from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
     from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 
@@ -53,6 +56,8 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
         paths["oneDNN prepacked"] = OneDNNWeights
     if dtype == torch.float32 and mkl_packing_available():
         paths["MKL prepacked"] = MKLPackedWeights
+    if dtype == torch.float32 and packed_gemm_available():
+        paths[PACKED_GEMM_PATH] = PackedGemmWeights
     if cpu_ops_available():
         paths[GEMV_PATH] = lambda w: lambda x: torch.ops.llmserve.gemv(x, w)
     return paths

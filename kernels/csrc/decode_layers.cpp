@@ -15,7 +15,7 @@
 namespace {
 
 // Per layer in `weights`: input norm, qkv, o, post-attention norm, gate_up, down;
-// in `packed`, where given: qkv, o, gate_up, down as oneDNN packed them.
+// in `packed`, where given: qkv, o, gate_up, down as our GEMM or oneDNN packed them.
 constexpr int64_t kPerLayer = 6;
 constexpr int64_t kPackedPerLayer = 4;
 
@@ -26,11 +26,13 @@ struct Step {
 };
 
 // x W^T as the linear's strategy (cpu_matmul/gemv.py GemvForFewRows) computes it:
-// our GEMV up to its rows, else oneDNN's product with the packed weight, called
-// as OneDNNWeights calls it.
+// our GEMV up to its rows, else the product with the packed weight: our GEMM's
+// panels (cpu_matmul/gemm.py PackedGemmWeights), or oneDNN's opaque tensor,
+// called as OneDNNWeights calls it.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor* packed, const Step& s) {
   if (x.size(0) <= s.gemv_rows) return gemv(x, weight);
+  if (!packed->is_mkldnn()) return gemm(x, *packed, weight.size(0));
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
       "mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, *packed, c10::IValue(), std::string("none"),

@@ -19,6 +19,8 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight) -> Tensor");
+  m.def("pack_gemm_weight(Tensor weight) -> Tensor");
+  m.def("gemm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("amx_bf16_available() -> bool");
   m.def("llama_decode_layers(Tensor x, Tensor[] weights, Tensor[] packed, Tensor(a!)[] caches, "
         "Tensor positions, Tensor cos_sin, Tensor slot_mapping, Tensor block_table, "
@@ -37,6 +39,8 @@ TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gemv", &gemv);
+  m.impl("pack_gemm_weight", &pack_gemm_weight);
+  m.impl("gemm", &gemm);
   m.impl("amx_bf16_linear", &amx_bf16_linear);
   m.impl("llama_decode_layers", &llama_decode_layers);
 }

@@ -1,4 +1,4 @@
-// The kernels' entry points (paged_attention.cpp, layers.cpp, gemv.cpp,
+// The kernels' entry points (paged_attention.cpp, layers.cpp, gemv.cpp, gemm.cpp,
 // sampling.cpp, amx_linear.cpp, decode_layers.cpp): what ops.cpp registers as
 // torch operators, and what decode_layers.cpp calls directly.
 #pragma once
@@ -25,6 +25,8 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight);
+torch::Tensor pack_gemm_weight(torch::Tensor weight);
+torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
 bool amx_bf16_available();
 torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> packed,

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from services.common.request_types import EngineCoreRequest, SamplingParams
 from services.common.scheduler_output import (CachedRequestData, NewRequestData,
                                               SchedulerOutput)
+from services.worker.cpu_matmul.gemm import PackedGemmWeights
 from services.worker.cpu_matmul.gemv import GemvForFewRows
 from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 from services.worker.cpu_matmul.strategy import FLinear
@@ -27,17 +28,24 @@ CPU = torch.device("cpu")
 SHAPE = {**TINY, "hidden_size": 128, "intermediate_size": 256}
 
 
-def _tiny(config, tmp_path, dtype=torch.float32):
-    """A tiny model whose linears all run our GEMV for up to two rows and oneDNN's
-    packed weights above (whatever this CPU's own choice would be), as the C++ loop
-    takes them."""
+def _tiny(config, tmp_path, dtype=torch.float32, many=None):
+    """A tiny model whose linears all run our GEMV for up to two rows and packed
+    weights above (oneDNN's unless `many` says otherwise, whatever this CPU's own
+    choice would be), as the C++ loop takes them."""
     tiny_hf_model(config).save_pretrained(tmp_path)
     model = load_model(str(tmp_path), dtype, MAX_POSITIONS, CPU)
     # oneDNN in bf16 only where the CPU computes it (as choose.py rules).
-    many = OneDNNWeights if dtype == torch.float32 or onednn_native(dtype) else FLinear
-    for layer in linear_layers(model):
-        layer.cpu_weights = GemvForFewRows(layer.weight, 2, many(layer.weight))
+    if many is None:
+        many = OneDNNWeights if dtype == torch.float32 or onednn_native(dtype) else FLinear
+    for i, layer in enumerate(linear_layers(model)):
+        kind = many(i) if many is MIXED else many
+        layer.cpu_weights = GemvForFewRows(layer.weight, 2, kind(layer.weight))
     return model
+
+
+def MIXED(i: int):
+    """Our packed GEMM and oneDNN's packed weights, layer by layer."""
+    return (PackedGemmWeights, OneDNNWeights)[i % 2]
 
 
 def _both_ways(runner: ModelRunner, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +103,17 @@ def test_the_cpp_loop_equals_the_python_layers(case, dtype, kv_dtype, tmp_path):
     model = _tiny(PLAIN[case](), tmp_path, dtype)
     assert model.use_cpu_decode_layers()
     _decode_steps(model, kv_dtype)
+
+
+@pytest.mark.parametrize("many", [PackedGemmWeights, MIXED], ids=["packed-gemm", "mixed"])
+@pytest.mark.parametrize("case", PLAIN)
+def test_the_cpp_loop_multiplies_by_our_packed_gemms_weights_as_python_does(case, many,
+                                                                           tmp_path):
+    """fp32's path on AVX-512 off Intel; C++ tells the two packed kinds apart."""
+    model = _tiny(PLAIN[case](), tmp_path, many=many)
+    assert model.use_cpu_decode_layers()
+    assert model.model.cpu_decode.max_rows == ANY_ROWS
+    _decode_steps(model, torch.float32)
 
 
 @pytest.mark.parametrize("config", [

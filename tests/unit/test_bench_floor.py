@@ -8,6 +8,7 @@ from bench import floor
 from bench import floor_measure as fm
 from bench.floor import Measured, ModelShape
 from bench.settings import Settings
+from services.worker.cpu_matmul.gemm import packed_gemm_available
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 30,
@@ -130,6 +131,7 @@ def test_measure_reports_every_m_and_json_round_trips():
     # Every GEMM path here was timed (our GEMV where it takes the shapes); the
     # fastest pass counts.
     assert result["paths"][0] == "F.linear" and "oneDNN prepacked" in result["paths"]
+    assert (fm.PACKED_GEMM_PATH in result["paths"]) == packed_gemm_available()
     one = result["passes"]["2"]
     assert set(one["path_seconds"]) == set(result["paths"]) - {fm.GEMV_PATH}
     assert one["seconds"] == min(one["path_seconds"].values())

@@ -1,4 +1,4 @@
-"""The CPU matmul strategies: the GEMV and AMX kernels against their
+"""The CPU matmul strategies: the GEMV, packed GEMM and AMX kernels against their
 definitions, and each layer set-up of cpu_matmul against F.linear."""
 import pytest
 import torch
@@ -8,7 +8,10 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_matmul import choose, matmul
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, pack_amx_weight
-from services.worker.cpu_matmul.choose import fp32_path, sixteen_bit_weights
+from services.worker.cpu_matmul.choose import (PACKED_GEMM_PATH, fp32_path, sixteen_bit_weights,
+                                               weight_dtype_max_rows)
+from services.worker.cpu_matmul import gemm as gemm_module
+from services.worker.cpu_matmul.gemm import GEMV_OVER_PACKED_GEMM_ROWS, PackedGemmWeights
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_FP32_ROWS,
                                              GEMV_OVER_ONEDNN_ROWS, GemvForFewRows, gemv_rows)
@@ -36,6 +39,30 @@ def test_gemv_sums_in_fp32(rows, weight_dtype, k):
     got = torch.ops.llmserve.gemv(x, weight)
     want = F.linear(x.double(), weight.double()).float()  # the exact sums of the same values
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64, 65, 130])
+@pytest.mark.parametrize("n,k", [(48, 16), (50, 33), (576, 576), (1001, 80), (96, 1536)])
+def test_packed_gemm_sums_in_fp32(rows, n, k):
+    """Any rows (tiles of up to 8, and their remainders), any N (a last panel of
+    fewer than 48 real columns), any K."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    packed = torch.ops.llmserve.pack_gemm_weight(weight)
+    assert packed.shape == (-(-n // 48), k, 48)
+    got = torch.ops.llmserve.gemm(x, packed, n)
+    want = F.linear(x.double(), weight.double()).float()  # the exact sums of the same values
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_gemm_refuses_a_weight_packed_for_another_shape():
+    packed = torch.ops.llmserve.pack_gemm_weight(torch.randn(100, 32))
+    with pytest.raises(RuntimeError, match="pack_gemm_weight's panels"):
+        torch.ops.llmserve.gemm(torch.randn(4, 32), packed, 200)
+    with pytest.raises(RuntimeError, match="pack_gemm_weight's panels"):
+        torch.ops.llmserve.gemm(torch.randn(4, 16), packed, 100)
+    assert torch.ops.llmserve.gemm(torch.randn(0, 32), packed, 100).shape == (0, 100)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
@@ -112,13 +139,13 @@ def test_sixteen_bit_weights_serve_few_rows_and_fp32_weights_the_rest():
     rounded = Tiny()
     rounded.load_state_dict({k: v.to(torch.bfloat16).float() if k.endswith("weight") else v
                              for k, v in model.state_dict().items()})  # biases stay fp32
-    few = x[:gemv_rows(GEMV_OVER_FP32_ROWS)]
+    few = x[:weight_dtype_max_rows()]
     torch.testing.assert_close(model(few), rounded(few), rtol=1e-5, atol=1e-5)  # 16-bit weights
     # One row more, where the 16-bit GEMV no longer beats the fp32 path: fp32 weights.
     over = x[:len(few) + 1]
-    torch.testing.assert_close(model(over), exact[:len(over)], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model(over), exact[:len(over)], rtol=1e-5, atol=1e-5)
     # Many rows: the fp32 weights (prepacked: equal up to the order of the sums).
-    torch.testing.assert_close(model(x), exact, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model(x), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_sixteen_bit_models_use_prepacked_onednn_where_native():
@@ -160,28 +187,39 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
     if path == "MKL prepacked":  # outside PACKED_ROWS, F.linear itself
         assert torch.equal(model(x[:2]), expected[2]) and torch.equal(model(x[:300]), expected[300])
     assert matmul(model.a, x[None, :5]).shape == (1, 5, 96)  # leading dims kept
-    # The product reads the packed weight (inside PACKED_ROWS, for MKL; from
-    # GEMV_OVER_ONEDNN_ROWS + 1 rows for oneDNN, where our GEMV reads the rest).
+    # The product reads the packed weight (inside PACKED_ROWS, for MKL; above our
+    # GEMV's rows for our packed GEMM and oneDNN, where the GEMV reads the rest).
     weights = model.a.cpu_weights
     if isinstance(weights, GemvForFewRows):
-        assert weights.max_rows == gemv_rows(GEMV_OVER_ONEDNN_ROWS)
+        limit = (GEMV_OVER_PACKED_GEMM_ROWS if path.startswith(PACKED_GEMM_PATH)
+                 else GEMV_OVER_ONEDNN_ROWS)
+        assert weights.max_rows == gemv_rows(limit)
         assert weights.gemv_weight.data_ptr() == model.a.weight.data_ptr()  # no copy
         weights = weights.many
-    assert weights.packed.is_mkldnn
-    weights.packed = (torch.ops.mkl._mkl_reorder_linear_weight if path == "MKL prepacked"
-                      else torch.ops.mkldnn._reorder_linear_weight)(
-        torch.zeros_like(model.a.weight), 64)
+    if isinstance(weights, PackedGemmWeights):
+        weights.packed.zero_()
+    else:
+        assert weights.packed.is_mkldnn
+        weights.packed = (torch.ops.mkl._mkl_reorder_linear_weight if path == "MKL prepacked"
+                          else torch.ops.mkldnn._reorder_linear_weight)(
+            torch.zeros_like(model.a.weight), 64)
     assert torch.equal(model.a(x[:64]), model.a.bias.expand(64, -1))
     if path == "MKL prepacked":
         torch.testing.assert_close(model.a(x[:2]), F.linear(x[:2], model.a.weight, model.a.bias))
 
 
-@pytest.mark.parametrize("intel", [True, False])
-def test_fp32_takes_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch, intel):
-    """MKL runs generic code on other vendors' CPUs (bench/NOTES.md)."""
+@pytest.mark.parametrize("intel,avx512", [(True, True), (False, True), (False, False)])
+def test_fp32_takes_mkl_on_intel_our_gemm_with_avx512_and_onednn_elsewhere(monkeypatch, intel,
+                                                                          avx512):
+    """MKL runs generic code on other vendors' CPUs; there our packed GEMM beat oneDNN at
+    every row count measured, where it has AVX-512's registers (bench/NOTES.md)."""
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
+    monkeypatch.setattr(gemm_module, "cpu_flags", lambda: {"avx2", "avx512f"} if avx512
+                        else {"avx2"})
     if intel:
         want = "MKL prepacked" if torch.backends.mkl.is_available() else "F.linear"
+    elif avx512:
+        want = PACKED_GEMM_PATH
     else:
         want = "oneDNN prepacked" if torch.backends.mkldnn.is_available() else "F.linear"
     assert choose.fp32_path() == want
@@ -190,19 +228,21 @@ def test_fp32_takes_mkl_on_intel_cpus_and_onednn_elsewhere(monkeypatch, intel):
     expected = model(x)
     assert prepare_cpu_linears(model, torch.float32, None).startswith(want)
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    if want == PACKED_GEMM_PATH:
+        assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
 
 
 def test_the_path_name_says_which_layers_our_gemv_skips():
     """The GEMV takes inputs whose width is a multiple of 16; a 40-wide layer keeps
-    oneDNN for every row count, and the path's name says so."""
+    the packed product for every row count, and the path's name says so."""
     model = nn.Sequential(nn.Linear(64, 40, bias=False), nn.Linear(40, 64, bias=False))
     path = prepare_cpu_linears(model, torch.float32, None)
-    if path.startswith("oneDNN prepacked"):  # fp32 off Intel CPUs
-        rows = gemv_rows(GEMV_OVER_ONEDNN_ROWS)
-        assert path == (f"oneDNN prepacked, our GEMV for <= {rows} rows "
+    if path.startswith(("oneDNN prepacked", PACKED_GEMM_PATH)):  # fp32 off Intel CPUs
+        first, second = model[0].cpu_weights, model[1].cpu_weights
+        assert isinstance(first, GemvForFewRows)
+        assert path == (f"{fp32_path()}, our GEMV for <= {first.max_rows} rows "
                         "where the input width is a multiple of 16")
-        assert isinstance(model[0].cpu_weights, GemvForFewRows)
-        assert isinstance(model[1].cpu_weights, OneDNNWeights)
+        assert isinstance(second, (OneDNNWeights, PackedGemmWeights))
     else:
         assert "GEMV" not in path
     x = torch.randn(2, 64)
@@ -210,13 +250,19 @@ def test_the_path_name_says_which_layers_our_gemv_skips():
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("flags,expected", [({"avx2", "avx512f"}, (5, 2)), ({"avx2"}, (1, 1))])
+@pytest.mark.parametrize("flags,expected", [({"avx2", "avx512f"}, (5, 2, 1)),
+                                            ({"avx2"}, (1, 1, 1))])
 def test_gemv_takes_one_row_without_avx512(monkeypatch, flags, expected):
     """Built for AVX2, our GEMV lost to oneDNN's fp32 path from two rows on, with 16-bit
     weights too (bench/NOTES.md): there the 16-bit weights mode and fp32 models give it
-    one row, and oneDNN the rest."""
+    one row, and oneDNN the rest. With AVX-512, off Intel, the fp32 path is our packed
+    GEMM, which the 16-bit weights beat at one row only."""
     monkeypatch.setattr(gemv_module, "cpu_flags", lambda: flags)
-    assert (gemv_rows(GEMV_OVER_FP32_ROWS), gemv_rows(GEMV_OVER_ONEDNN_ROWS)) == expected
+    monkeypatch.setattr(gemm_module, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(choose, "cpu_is_intel", lambda: False)
+    assert (gemv_rows(GEMV_OVER_FP32_ROWS), gemv_rows(GEMV_OVER_ONEDNN_ROWS),
+            weight_dtype_max_rows()) == expected
+    expected = (expected[2],)
     weight = torch.randn(32, 64)
     sixteen = sixteen_bit_weights(weight, torch.bfloat16)
     assert isinstance(sixteen, GemvForFewRows) and sixteen.max_rows == expected[0]

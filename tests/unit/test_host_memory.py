@@ -1,6 +1,7 @@
 """The worker's host memory (services/worker/host_memory.py): a layer's
 activations, freed and taken again by the next layer, fault no page in twice;
-the weights sit on one mapping advised for transparent huge pages."""
+the weights, and our GEMM's packed copies, sit on one mapping advised for
+transparent huge pages."""
 import ctypes
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from kernels.cpu_build import cpu_ops_available
+from services.worker.cpu_matmul.gemm import PackedGemmWeights, packed_weights_on_huge_pages
 from services.worker.host_memory import (HUGE_PAGE, HugePageArena, huge_pages_available,
                                          weights_on_huge_pages)
 
@@ -93,6 +96,22 @@ def test_weights_move_onto_one_huge_page_mapping_unchanged():
     mappings = {mapping_of(start)[0] for start in starts}
     assert len(mappings) == 1 and "hg" in mapping_of(starts[0])[1]
     assert model["proj"](model["embed"](torch.tensor([1, 2]))).shape == (2, 96)
+
+
+@pytest.mark.skipif(not huge_pages_available() or not cpu_ops_available(),
+                    reason="Linux with transparent huge pages and the CPU kernels only")
+def test_packed_gemm_weights_move_onto_one_huge_page_mapping_unchanged():
+    """The fp32 path's packed copies, which every step above one row streams."""
+    weights = [torch.randn(96, 32), torch.randn(50, 16)]
+    strategies = [PackedGemmWeights(w) for w in weights]
+    x = [torch.randn(5, w.shape[1]) for w in weights]
+    before = [s(xi) for s, xi in zip(strategies, x)]
+    nbytes = sum(-(-s.packed.nbytes // 64) * 64 for s in strategies)
+    assert packed_weights_on_huge_pages([*strategies, nn.Identity()]) == nbytes
+    assert all(torch.equal(s(xi), want) for s, xi, want in zip(strategies, x, before))
+    starts = [s.packed.data_ptr() for s in strategies]
+    assert len({mapping_of(start)[0] for start in starts}) == 1
+    assert "hg" in mapping_of(starts[0])[1]
 
 
 def test_an_arena_refuses_what_it_cannot_hold():

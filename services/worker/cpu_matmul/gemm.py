@@ -1,0 +1,49 @@
+"""Our GEMM kernel (kernels/csrc/gemm.cpp) on fp32 weights packed once into panels
+of 48 output columns: the fp32 path on AVX-512 CPUs off Intel, for every step
+above the GEMV's row, in place of oneDNN's prepacked product, which it beat at
+every row count measured, 2 to 2,048 (bench/NOTES.md)."""
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_build import cpu_ops_available
+from services.worker.cpu_info import cpu_flags
+from services.worker.host_memory import HugePageArena, huge_pages_available
+
+# Up to this many rows our GEMV on the fp32 weights keeps up with the packed
+# GEMM (one row: a tie; two: the GEMM 11% faster).
+GEMV_OVER_PACKED_GEMM_ROWS = 1
+# Up to this many rows our GEMV on a 16-bit copy of the weights (`--weight-dtype`)
+# beats the packed GEMM on the fp32 ones: at two rows it won in one process and
+# lost in another, at three it tied or lost.
+SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS = 1
+
+
+class PackedGemmWeights:
+    """x W^T for fp32 x, through our GEMM kernel on W packed in panels."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.llmserve.pack_gemm_weight(weight.detach())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmserve.gemm(x, self.packed, self.out_features)
+
+
+def packed_gemm_available() -> bool:
+    """Whether the kernel is built here for AVX-512 (24 sums need its 32 registers)."""
+    return cpu_ops_available() and "avx512f" in cpu_flags()
+
+
+def packed_weights_on_huge_pages(strategies: list) -> int:
+    """Moves the packed weights of the PackedGemmWeights among `strategies` into one
+    HugePageArena, as the worker does with the parameters: the panels stream with
+    fewer TLB misses (bench/NOTES.md). Returns the bytes moved."""
+    gemms = [s for s in strategies if isinstance(s, PackedGemmWeights)]
+    if not gemms or not huge_pages_available():
+        return 0
+    nbytes = HugePageArena.bytes_for([g.packed for g in gemms])
+    arena = HugePageArena(nbytes)
+    for g in gemms:
+        g.packed = arena.copy_of(g.packed)
+    return nbytes
