@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "vector_math.h"
+#include "work_stealing.h"
 
 namespace {
 
@@ -106,9 +107,11 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels * groups, 1, [&](int64_t begin, int64_t end) {
+  // Stealing, not a static split: a thread that loses its core to another process
+  // for a while no longer holds the other at the end of every product.
+  llmserve::parallel_for_stealing(panels * groups, [&](auto& next) {
     llmserve::FlushDenormals flush;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; (item = next()) >= 0;) {
       const int64_t p = item / groups, g = item % groups;
       panel_rows(xp, K, wp + p * K * kPanel, M * g / groups, M * (g + 1) / groups, yp, n,
                  p * kPanel);

@@ -21,6 +21,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("gemm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("stolen_items(int items, int stall_us) -> Tensor");
   m.def("amx_bf16_available() -> bool");
   m.def("llama_decode_layers(Tensor x, Tensor[] weights, Tensor[] packed, Tensor(a!)[] caches, "
         "Tensor positions, Tensor cos_sin, Tensor slot_mapping, Tensor block_table, "
@@ -54,4 +55,5 @@ TORCH_LIBRARY_IMPL(llmserve, MkldnnCPU, m) {
 // No tensor arguments to dispatch on: one kernel for every backend.
 TORCH_LIBRARY_IMPL(llmserve, CompositeExplicitAutograd, m) {
   m.impl("amx_bf16_available", &amx_bf16_available);
+  m.impl("stolen_items", &stolen_items);
 }

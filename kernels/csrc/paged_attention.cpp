@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "vector_math.h"
+#include "work_stealing.h"
 
 namespace {
 
@@ -245,7 +246,8 @@ void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int
 
 // Work items are whole sequences when there are enough of them to share out
 // (4 per thread); otherwise one per (sequence, KV head), so that a single
-// stream's attention still runs on every thread.
+// stream's attention still runs on every thread. Shared out with stealing, as
+// the GEMM's (work_stealing.h).
 template <typename q_t, typename scalar_t, int BS, int D>
 struct Decode {
   static void run(const torch::Tensor& query, const torch::Tensor& key_cache,
@@ -260,10 +262,10 @@ struct Decode {
     const int64_t* table = block_table.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     q_t* o = out.data_ptr<q_t>();
-    at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+    llmserve::parallel_for_stealing(B * parts, [&](auto& next) {
       llmserve::FlushDenormals flush;
       Scratch scratch;
-      for (int64_t item = begin; item < end; ++item) {
+      for (int64_t item; (item = next()) >= 0;) {
         const int64_t b = item / parts, h0 = item % parts * kv_count, head = h0 * group * D;
         decode_item<q_t, scalar_t, BS, D>(q + b * q_stride + head, kc, vc,
                                           table + b * max_blocks, lens[b], KV, group, h0,

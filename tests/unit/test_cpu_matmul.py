@@ -269,3 +269,17 @@ def test_gemv_takes_one_row_without_avx512(monkeypatch, flags, expected):
     x = torch.randn(expected[0] + 1, 64)
     # Past its rows, the fp32 path reads the fp32 weight: the exact fp32 product.
     torch.testing.assert_close(sixteen(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("items", [1, 2, 7, 64])
+def test_work_stealing_runs_every_item_once_and_others_take_a_stalled_threads_share(items):
+    """The GEMM and decode attention share out their items this way
+    (kernels/csrc/work_stealing.h): thread 0 stalls on the first item it takes, as
+    one that lost its core would, and the others take the rest of its range (a
+    static split would leave it half the items)."""
+    threads = min(torch.get_num_threads(), items)
+    ran_by, times = torch.ops.llmserve.stolen_items(items, 200_000 if threads > 1 else 0)
+    assert times.tolist() == [1] * items
+    assert set(ran_by.tolist()) <= set(range(threads))
+    if threads > 1:
+        assert (ran_by == 0).sum() <= 1, ran_by
