@@ -5,7 +5,7 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
   single streams (one or two rows);
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
-  of the weights for up to GEMV_OVER_FP32_ROWS rows, the fp32 path above;
+  of the weights for up to weight_dtype_max_rows() rows, the fp32 path above;
 - on CPUs without AVX-512, our GEMV for one row only (gemv_rows);
 - fp32 on Intel CPUs: MKL prepacked; on other CPUs with AVX-512: our GEMM on
   weights we pack, our GEMV for one row; on the rest: oneDNN prepacked (MKL runs
