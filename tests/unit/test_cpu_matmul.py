@@ -143,9 +143,9 @@ def test_sixteen_bit_weights_serve_few_rows_and_fp32_weights_the_rest():
     torch.testing.assert_close(model(few), rounded(few), rtol=1e-5, atol=1e-5)  # 16-bit weights
     # One row more, where the 16-bit GEMV no longer beats the fp32 path: fp32 weights.
     over = x[:len(few) + 1]
-    torch.testing.assert_close(model(over), exact[:len(over)], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(over), exact[:len(over)], rtol=1e-6, atol=1e-6)
     # Many rows: the fp32 weights (prepacked: equal up to the order of the sums).
-    torch.testing.assert_close(model(x), exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(x), exact, rtol=1e-6, atol=1e-6)
 
 
 def test_sixteen_bit_models_use_prepacked_onednn_where_native():
