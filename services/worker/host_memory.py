@@ -95,15 +95,20 @@ def huge_pages_available() -> bool:
     return True
 
 
-def weights_on_huge_pages(module: nn.Module) -> int:
-    """Moves the module's CPU parameters (tied ones once) into one HugePageArena,
-    one at a time, so the old copy of each is freed as the next moves; returns the
-    bytes moved, 0 where huge pages are not available."""
-    params = [p for p in module.parameters() if p.device.type == "cpu"]
-    if not params or not huge_pages_available():
+def onto_huge_pages(holders: list, attr: str) -> int:
+    """Moves each holder's tensor `attr` into one HugePageArena, one at a time, so
+    the old copy of each is freed as the next moves; returns the bytes moved, 0
+    where huge pages are not available."""
+    if not holders or not huge_pages_available():
         return 0
-    nbytes = HugePageArena.bytes_for(params)
+    nbytes = HugePageArena.bytes_for([getattr(holder, attr) for holder in holders])
     arena = HugePageArena(nbytes)
-    for param in params:
-        param.data = arena.copy_of(param.data)
+    for holder in holders:
+        setattr(holder, attr, arena.copy_of(getattr(holder, attr)))
     return nbytes
+
+
+def weights_on_huge_pages(module: nn.Module) -> int:
+    """Moves the module's CPU parameters (tied ones once) onto huge pages
+    (onto_huge_pages); returns the bytes moved."""
+    return onto_huge_pages([p for p in module.parameters() if p.device.type == "cpu"], "data")

@@ -8,7 +8,7 @@ import torch
 
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import cpu_flags
-from services.worker.host_memory import HugePageArena, huge_pages_available
+from services.worker.host_memory import onto_huge_pages
 
 # Up to this many rows our GEMV on the fp32 weights keeps up with the packed
 # GEMM (one row: a tie; two: the GEMM 11% faster).
@@ -39,11 +39,4 @@ def packed_weights_on_huge_pages(strategies: list) -> int:
     """Moves the packed weights of the PackedGemmWeights among `strategies` into one
     HugePageArena, as the worker does with the parameters: the panels stream with
     fewer TLB misses (bench/NOTES.md). Returns the bytes moved."""
-    gemms = [s for s in strategies if isinstance(s, PackedGemmWeights)]
-    if not gemms or not huge_pages_available():
-        return 0
-    nbytes = HugePageArena.bytes_for([g.packed for g in gemms])
-    arena = HugePageArena(nbytes)
-    for g in gemms:
-        g.packed = arena.copy_of(g.packed)
-    return nbytes
+    return onto_huge_pages([s for s in strategies if isinstance(s, PackedGemmWeights)], "packed")
