@@ -108,9 +108,9 @@ inline void block_values(const float* p, int64_t stride, int64_t valid, const sc
     }
 }
 
-// Numerically stable softmax of `len` scores (a multiple of 16), in place;
-// returns their sum.
-inline float softmax(float* s, int64_t len) {
+// Numerically stable softmax of `len` scores (a multiple of 16), in place:
+// exp(score - max); returns their sum, and the max in `top`.
+inline float softmax(float* s, int64_t len, float& top_out) {
   vf16 top = load16(s);
   for (int64_t t = 16; t < len; t += 16) {
     const vf16 v = load16(s + t);
@@ -118,6 +118,7 @@ inline float softmax(float* s, int64_t len) {
   }
   float m = top[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, top[i]);
+  top_out = m;
   vf16 sum = {};
   for (int64_t t = 0; t < len; t += 16) {
     const vf16 e = llmserve::fast_exp16(load16(s + t) - m);
@@ -187,36 +188,38 @@ inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t val
 
 // Per-thread buffers, grown to the longest sequence a thread meets.
 struct Scratch {
-  std::vector<float> q, scores, acc, inv_sum;
+  std::vector<float> q, scores, acc, top, sum;
 };
 
-// One work item: the query heads of KV heads [h0, h0 + kv_count) of one sequence.
-// out = softmax(q K^T * scale) V, in one walk over the sequence's key blocks and
-// one over its value blocks. A block's K (or V) of consecutive KV heads is
-// contiguous, so with all KV heads in one item a walk reads whole blocks in
-// order: from memory, 1.3-1.45x (fp32) and 1.28x (bf16) the rate of one walk
-// per KV head, 64 sequences with half their blocks adjacent.
+// Every query head of one sequence against its
+// `len` tokens in blocks row[0], row[1], ...: one walk over the key blocks and
+// one over the value blocks. Leaves per head, in s, the max score (top), the
+// sum of exp(score - top) (sum) and the value sums weighted by those (acc). A
+// block's K (or V) of consecutive KV heads is contiguous, so with all KV heads
+// in one item a walk reads whole blocks in order: from memory, 1.3-1.45x (fp32)
+// and 1.28x (bf16) the rate of one walk per KV head, 64 sequences with half
+// their blocks adjacent.
 template <typename q_t, typename scalar_t, int BS, int D>
-void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
-                 int64_t len, int64_t kv_heads, int64_t group, int64_t h0, int64_t kv_count,
-                 double scale, q_t* out, Scratch& s) {
+void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
+            int64_t len, int64_t kv_heads, int64_t group, double scale, Scratch& s) {
   constexpr int most = heads_per_pass<D>();
-  const int64_t heads = kv_count * group, num_blocks = (len + BS - 1) / BS;
-  const int64_t stride = num_blocks * BS, block = kv_heads * D * BS, part = kv_count * D * BS;
+  const int64_t heads = kv_heads * group, num_blocks = (len + BS - 1) / BS;
+  const int64_t stride = num_blocks * BS, block = kv_heads * D * BS;
   s.q.resize(heads * D);
   s.scores.resize(heads * stride);
   s.acc.assign(heads * D, 0.f);
-  s.inv_sum.resize(heads);
+  s.top.resize(heads);
+  s.sum.resize(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
   const bool prefetch = prefetches_blocks();
   for (int64_t n = 0; n < num_blocks; ++n) {
     if (prefetch && n + 2 < num_blocks)
-      prefetch_block(kc + row[n + 2] * block + h0 * D * BS, part);
-    for (int64_t h = 0; h < kv_count; ++h)
+      prefetch_block(kc + row[n + 2] * block, block);
+    for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t g = 0; g < group; g += most)
         scores_of<scalar_t, BS, D>(std::min<int64_t>(most, group - g),
                                    s.q.data() + (h * group + g) * D,
-                                   kc + row[n] * block + (h0 + h) * D * BS,
+                                   kc + row[n] * block + h * D * BS,
                                    s.scores.data() + (h * group + g) * stride + n * BS, stride);
   }
   for (int64_t i = 0; i < heads; ++i) {
@@ -224,54 +227,142 @@ void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int
     // vectors, and the value pass reads only the first `len` weights anyway.
     float* scores = s.scores.data() + i * stride;
     std::fill(scores + len, scores + stride, -1e30f);
-    s.inv_sum[i] = 1.f / softmax(scores, stride);
+    s.sum[i] = softmax(scores, stride, s.top[i]);
   }
   for (int64_t n = 0; n < num_blocks; ++n) {
     if (prefetch && n + 2 < num_blocks)
-      prefetch_block(vc + row[n + 2] * block + h0 * D * BS, part);
+      prefetch_block(vc + row[n + 2] * block, block);
     const int64_t valid = std::min<int64_t>(BS, len - n * BS);
-    for (int64_t h = 0; h < kv_count; ++h)
+    for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t g = 0; g < group; g += most)
         values_of<scalar_t, D>(std::min<int64_t>(most, group - g),
                                s.scores.data() + (h * group + g) * stride + n * BS, stride, valid,
-                               vc + row[n] * block + (h0 + h) * D * BS,
+                               vc + row[n] * block + h * D * BS,
                                s.acc.data() + (h * group + g) * D);
   }
-  for (int64_t i = 0; i < heads; ++i)
-    for (int c = 0; c < D / 16; ++c) {
-      const vf16 sum = load16(s.acc.data() + i * D + c * 16);
-      llmserve::store16(out + i * D + c * 16, sum * s.inv_sum[i]);
-    }
 }
 
-// Work items are whole sequences when there are enough of them to share out
-// (4 per thread); otherwise one per (sequence, KV head), so that a single
-// stream's attention still runs on every thread. Shared out with stealing, as
-// the GEMM's (work_stealing.h).
+// One work item: out = softmax(q K^T * scale) V for every query head of one
+// sequence.
+template <typename q_t, typename scalar_t, int BS, int D>
+void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
+                 int64_t len, int64_t kv_heads, int64_t group, double scale, q_t* out,
+                 Scratch& s) {
+  attend<q_t, scalar_t, BS, D>(q, kc, vc, row, len, kv_heads, group, scale, s);
+  for (int64_t i = 0; i < kv_heads * group; ++i) {
+    const float inv_sum = 1.f / s.sum[i];
+    for (int c = 0; c < D / 16; ++c) {
+      const vf16 sum = load16(s.acc.data() + i * D + c * 16);
+      llmserve::store16(out + i * D + c * 16, sum * inv_sum);
+    }
+  }
+}
+
+// A sequence's blocks [n0, n1): one work item of a small batch.
+struct DecodeChunk {
+  int64_t seq, n0, n1;
+};
+
+// The fewest blocks a chunk walks: below it the partials cost more to merge
+// than the walk saves.
+constexpr int64_t kMinChunkBlocks = 2;
+
+// out[i] for each query head i of one sequence from its chunks' partials, each
+// [heads * D value sums | heads tops | heads sums]: the softmax over all of its
+// tokens, each chunk weighted by exp(its top - the overall top) (flash-decoding's
+// merge).
+template <typename q_t, int D>
+void merge_chunks(const float* partial, int64_t chunks, int64_t heads, int64_t width,
+                  q_t* out) {
+  for (int64_t i = 0; i < heads; ++i) {
+    float top = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, partial[c * width + heads * D + i]);
+    float total = 0.f, acc[D] = {};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = partial + c * width;
+      const float w = std::exp(p[heads * D + i] - top);
+      total += w * p[heads * D + heads + i];
+      for (int d = 0; d < D; ++d) acc[d] += w * p[i * D + d];
+    }
+    for (int d = 0; d < D; ++d) out[i * D + d] = static_cast<q_t>(acc[d] / total);
+  }
+}
+
+// Work items are whole sequences when there are enough of them to share out (4
+// per thread). Fewer sequences (one stream's decode, a few) are cut into chunks
+// of blocks, about 4 per thread in all, each with every KV head, merged after:
+// every thread walks its share of whole blocks, whatever the number of KV heads
+// (split by KV head, SmolLM2's 3 gave one thread of two twice the other's work).
+// Shared out with stealing, as the GEMM's (work_stealing.h).
 template <typename q_t, typename scalar_t, int BS, int D>
 struct Decode {
   static void run(const torch::Tensor& query, const torch::Tensor& key_cache,
                   const torch::Tensor& value_cache, const torch::Tensor& block_table,
                   const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+    if (query.size(0) < 4 * at::get_num_threads())
+      return chunked(query, key_cache, value_cache, block_table, seq_lens, scale, out);
     const int64_t B = query.size(0), H = query.size(1), q_stride = query.stride(0);
     const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
-    const int64_t parts = B >= 4 * at::get_num_threads() ? 1 : KV, kv_count = KV / parts;
     const q_t* q = query.data_ptr<q_t>();
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
     const int64_t* table = block_table.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     q_t* o = out.data_ptr<q_t>();
-    llmserve::parallel_for_stealing(B * parts, [&](auto& next) {
+    llmserve::parallel_for_stealing(B, [&](auto& next) {
       llmserve::FlushDenormals flush;
       Scratch scratch;
+      for (int64_t b; (b = next()) >= 0;)
+        decode_item<q_t, scalar_t, BS, D>(q + b * q_stride, kc, vc, table + b * max_blocks,
+                                          lens[b], KV, group, scale, o + b * H * D, scratch);
+    });
+  }
+
+  static void chunked(const torch::Tensor& query, const torch::Tensor& key_cache,
+                      const torch::Tensor& value_cache, const torch::Tensor& block_table,
+                      const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+    const int64_t B = query.size(0), H = query.size(1), q_stride = query.stride(0);
+    const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    int64_t total_blocks = 0;
+    for (int64_t b = 0; b < B; ++b) total_blocks += (lens[b] + BS - 1) / BS;
+    const int64_t per = std::max(kMinChunkBlocks,
+                                 (total_blocks + 4 * at::get_num_threads() - 1) /
+                                     (4 * at::get_num_threads()));
+    std::vector<DecodeChunk> chunks;
+    std::vector<int64_t> first(B + 1);
+    for (int64_t b = 0; b < B; ++b) {
+      first[b] = static_cast<int64_t>(chunks.size());
+      const int64_t num_blocks = (lens[b] + BS - 1) / BS;
+      for (int64_t n0 = 0; n0 < num_blocks; n0 += per)
+        chunks.push_back({b, n0, std::min(n0 + per, num_blocks)});
+    }
+    first[B] = static_cast<int64_t>(chunks.size());
+    const int64_t width = H * D + 2 * H;
+    std::vector<float> partial(chunks.size() * width);
+    const q_t* q = query.data_ptr<q_t>();
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    const int64_t* table = block_table.data_ptr<int64_t>();
+    llmserve::parallel_for_stealing(first[B], [&](auto& next) {
+      llmserve::FlushDenormals flush;
+      Scratch s;
       for (int64_t item; (item = next()) >= 0;) {
-        const int64_t b = item / parts, h0 = item % parts * kv_count, head = h0 * group * D;
-        decode_item<q_t, scalar_t, BS, D>(q + b * q_stride + head, kc, vc,
-                                          table + b * max_blocks, lens[b], KV, group, h0,
-                                          kv_count, scale, o + b * H * D + head, scratch);
+        const DecodeChunk& c = chunks[item];
+        attend<q_t, scalar_t, BS, D>(q + c.seq * q_stride, kc, vc,
+                                     table + c.seq * max_blocks + c.n0,
+                                     std::min(lens[c.seq], c.n1 * BS) - c.n0 * BS, KV, group,
+                                     scale, s);
+        float* dst = partial.data() + item * width;
+        std::copy(s.acc.begin(), s.acc.begin() + H * D, dst);
+        std::copy(s.top.begin(), s.top.begin() + H, dst + H * D);
+        std::copy(s.sum.begin(), s.sum.begin() + H, dst + H * D + H);
       }
     });
+    q_t* o = out.data_ptr<q_t>();
+    for (int64_t b = 0; b < B; ++b)
+      merge_chunks<q_t, D>(partial.data() + first[b] * width, first[b + 1] - first[b], H, width,
+                           o + b * H * D);
   }
 };
 
@@ -297,7 +388,8 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
   s.q.resize(rows * D);
   s.scores.resize(rows * stride);
   s.acc.assign(rows * D, 0.f);
-  s.inv_sum.resize(rows);
+  s.top.resize(rows);
+  s.sum.resize(rows);
   for (int64_t i = 0; i < rows; ++i) {
     const q_t* src = q + (t0 + i / group) * q_stride + (h * group + i % group) * D;
     for (int64_t d = 0; d < D; ++d) s.q[i * D + d] = static_cast<float>(src[d]) * scale;
@@ -310,7 +402,7 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
   for (int64_t i = 0; i < rows; ++i) {
     float* scores = s.scores.data() + i * stride;
     std::fill(scores + prefix + t0 + i / group + 1, scores + stride, -1e30f);
-    s.inv_sum[i] = 1.f / softmax(scores, stride);
+    s.sum[i] = softmax(scores, stride, s.top[i]);
   }
   for (int64_t n = 0; n < num_blocks; ++n) {
     const int64_t valid = std::min<int64_t>(BS, reach - n * BS);
@@ -322,7 +414,7 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
   for (int64_t i = 0; i < rows; ++i) {
     q_t* dst = out + (t0 + i / group) * out_stride + (h * group + i % group) * D;
     for (int c = 0; c < D / 16; ++c)
-      llmserve::store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * s.inv_sum[i]);
+      llmserve::store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * (1.f / s.sum[i]));
   }
 }
 

@@ -10,6 +10,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.grammar_bitmask import apply_grammar_bitmasks
+from services.worker.host_memory import zeros_on_huge_pages
 from services.worker.lora.manager import LoRAManager
 from services.worker.input_batch import (InputBatch, RequestState, StepInputs,
                                          build_sampling_metadata)
@@ -64,7 +65,8 @@ class ModelRunner:
             # Each backend lays its cache out as its kernels read it best.
             shape = layer.backend.kv_cache_shape(num_blocks, self.block_size,
                                                  layer.num_kv_heads, layer.head_dim)
-            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            cache = (zeros_on_huge_pages(shape, self.kv_cache_dtype) if self.device.type == "cpu"
+                     else torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             layer.kv_cache = layer.backend.bind_cache(cache, self.block_size)
             self.kv_caches.append(cache)
 

@@ -45,9 +45,9 @@ def test_batched_greedy_is_token_identical_to_transformers(model_dir, tokenizer,
         assert core.stats().num_used_kv_blocks == 0
         runner = core.executor.workers[0].model_runner
         assert len(runner.input_batch) == 0
-        if huge_pages_available():  # the weights these tokens came from: on huge pages
-            assert {"hg" in mapping_of(p.data_ptr())[1]
-                    for p in runner.model.parameters()} == {True}
+        if huge_pages_available():  # the weights and KV cache these tokens came from
+            assert {"hg" in mapping_of(t.data_ptr())[1]
+                    for t in [*runner.model.parameters(), *runner.kv_caches]} == {True}
     finally:
         asyncio.run(client.close())
 

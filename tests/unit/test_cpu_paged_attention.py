@@ -38,14 +38,15 @@ def test_write_kv_cache_equals_reference(block_size, dtype):
 @pytest.mark.parametrize("batch, heads, kv_heads, max_len", [(1, 9, 3, 1), (7, 9, 3, 70),
                                                               (5, 4, 4, 33), (3, 8, 1, 130),
                                                               (2, 9, 3, 300), (12, 9, 3, 70),
-                                                              (9, 8, 2, 40)])
+                                                              (9, 8, 2, 40), (1, 9, 3, 1000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 64, 128])
 def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtype, block_size):
     """Block size 64 takes the torch reference; the others the kernel. Groups of 1,
     3, 4 and 8 query heads per KV head: one pass, or two passes of 4 heads. With
     at least 4 sequences a thread (12 and 9 on 2 cores), an item is a whole
-    sequence; otherwise one KV head of one."""
+    sequence; otherwise a chunk of one's blocks, the chunks' softmax partials
+    merged after (1,000 tokens: 63 blocks of 16 in chunks of 8)."""
     _check_decode(batch, heads, kv_heads, 64, max_len, dtype, block_size)
 
 

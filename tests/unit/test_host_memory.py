@@ -13,7 +13,7 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_matmul.gemm import PackedGemmWeights, packed_weights_on_huge_pages
 from services.worker.host_memory import (HUGE_PAGE, HugePageArena, huge_pages_available,
-                                         weights_on_huge_pages)
+                                         weights_on_huge_pages, zeros_on_huge_pages)
 
 # A fresh interpreter per case: mallopt's settings last for the process. The
 # blocks come from glibc's malloc, as torch's CPU tensors do; their sizes are a
@@ -112,6 +112,19 @@ def test_packed_gemm_weights_move_onto_one_huge_page_mapping_unchanged():
     starts = [s.packed.data_ptr() for s in strategies]
     assert len({mapping_of(start)[0] for start in starts}) == 1
     assert "hg" in mapping_of(starts[0])[1]
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")
+def test_a_kv_cache_takes_zeros_on_a_huge_page_mapping_of_its_own():
+    """The worker's KV cache (ModelRunner._allocate_kv_cache on the CPU)."""
+    caches = [zeros_on_huge_pages((3, 2, 7, 16), dtype) for dtype in (torch.float32,
+                                                                      torch.bfloat16)]
+    for cache, dtype in zip(caches, (torch.float32, torch.bfloat16)):
+        assert cache.shape == (3, 2, 7, 16) and cache.dtype == dtype and cache.is_contiguous()
+        assert not cache.any()
+        assert cache.data_ptr() % HUGE_PAGE == 0 and "hg" in mapping_of(cache.data_ptr())[1]
+    caches[0].fill_(1.0)  # each its own mapping: writing one leaves the other as it was
+    assert not caches[1].any()
 
 
 def test_an_arena_refuses_what_it_cannot_hold():
