@@ -22,7 +22,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # step): a thread by default, the main thread in the worker process.
         self.run = run
         self.execute_model = metrics.execute_model if metrics else worker.execute_model
-        self.step_order = StepOrder()
+        self.step_order = StepOrder(run)
 
     async def LoadModel(self, request, context):
         loaded = await self.run(self.worker.load_model,
@@ -52,6 +52,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteModel(self, request, context):
         # Converted while the step before it may still run.
         scheduler_output = convert.scheduler_output_from_proto(request)
-        async with self.step_order.turn(request.step_id):
-            output = await self.run(self.execute_model, scheduler_output)
+        output = await self.step_order.execute(request.step_id, self.execute_model,
+                                               scheduler_output)
         return convert.model_runner_output_to_proto(output)

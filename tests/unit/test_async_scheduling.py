@@ -2,6 +2,8 @@
 N's output is back (fake executor), and the worker runs steps in the order they
 were sent whatever order their calls arrive in."""
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -102,20 +104,49 @@ def test_a_request_preempted_while_its_step_is_in_flight_can_still_finish():
 
 def test_the_worker_runs_steps_in_the_order_they_were_sent():
     async def main():
-        order, ran = StepOrder(), []
+        order, ran = StepOrder(asyncio.to_thread), []
+        threads = set()
 
-        async def step(step_id):
-            async with order.turn(step_id):
-                await asyncio.sleep(0)
-                ran.append(step_id)
-        await asyncio.gather(step(3), step(2), step(1))
+        def step(step_id):
+            threads.add(threading.get_ident())
+            ran.append(step_id)
+            return step_id
+        assert await asyncio.gather(*(order.execute(i, step, i) for i in (3, 2, 1))) == [3, 2, 1]
         assert ran == [1, 2, 3]
-        late = asyncio.create_task(step(6))  # 4 and 5 never come
-        await asyncio.sleep(0)
+        late = asyncio.ensure_future(order.execute(6, step, 6))  # 4 and 5 never come
+        await asyncio.sleep(0.05)
         assert not late.done()
         await order.reset(7)  # the engine core set the KV cache up again
         with pytest.raises(FailedPrecondition):
             await late
-        await asyncio.gather(step(8), step(7))
+        await asyncio.gather(order.execute(8, step, 8), order.execute(7, step, 7))
         assert ran == [1, 2, 3, 7, 8]
+        assert threading.get_ident() not in threads  # on the thread of `run`, not the loop's
+
+    asyncio.run(main())
+
+
+def test_the_worker_takes_a_step_that_arrived_while_the_one_before_ran_without_the_loop():
+    """Step 2 arrives while step 1 runs: the drain that ran 1 runs 2 next, while
+    the event loop is held up (its thread never gets to hand step 2 over)."""
+    async def main():
+        order, ran = StepOrder(asyncio.to_thread), []
+        step_one_runs, step_two_sent = threading.Event(), threading.Event()
+
+        def step(step_id):
+            if step_id == 1:
+                step_one_runs.set()
+                assert step_two_sent.wait(timeout=10)
+            ran.append(step_id)
+        first = asyncio.ensure_future(order.execute(1, step, 1))
+        await asyncio.to_thread(step_one_runs.wait)
+        second = asyncio.ensure_future(order.execute(2, step, 2))
+        await asyncio.sleep(0)  # the task ran up to its wait: step 2 is registered
+        step_two_sent.set()
+        deadline = time.monotonic() + 10
+        while len(ran) < 2 and time.monotonic() < deadline:  # the loop's thread, held
+            time.sleep(0.001)
+        assert ran == [1, 2]
+        await asyncio.gather(first, second)
+
     asyncio.run(main())
