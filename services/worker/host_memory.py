@@ -13,10 +13,11 @@ every 10,000 frees of its own, which hands every free heap page back whatever
 the thresholds say; a gRPC worker's steps still fault in part (bench/NOTES.md).
 
 The weights, which a decode step streams whole, and the KV cache, whose blocks
-its attention reads scattered, live on transparent huge pages (HugePageArena): on 4 KB pages the walk through the page tables (two levels of
-them in a virtual machine) slows the stream; malloc and torch ask for huge pages
-only where the kernel applies them to every mapping, or torch's
-THP_MEM_ALLOC_ENABLE is set before its first large allocation.
+its attention reads scattered, live on transparent huge pages (HugePageArena):
+on 4 KB pages the walk through the page tables (two levels of them in a virtual
+machine) slows the reads; malloc and torch ask for huge pages only where the
+kernel applies them to every mapping, or torch's THP_MEM_ALLOC_ENABLE is set
+before its first large allocation.
 """
 from __future__ import annotations
 
