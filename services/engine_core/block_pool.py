@@ -25,16 +25,43 @@ class BlockPool:
         """Blocks no request holds, cached ones included (they can be evicted)."""
         return self.free_queue.num_free_blocks
 
-    def allocate(self, n: int) -> list[KVCacheBlock]:
-        """n fresh blocks with ref count 1, evicting the least recently freed."""
+    def allocate(self, n: int, after: KVCacheBlock | None = None) -> list[KVCacheBlock]:
+        """n fresh blocks with ref count 1, evicting the least recently freed. Given
+        `after` (a sequence's last block), each is the block that follows the one
+        before in memory where that one is free and holds no cached KV: a decode
+        step's attention reads a sequence's blocks in order, and blocks in one run
+        stream from memory; scattered ones each start a new page."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
-        blocks = [self.free_queue.popleft() for _ in range(n)]
-        for block in blocks:
+        blocks = []
+        for _ in range(n):
+            block = self._free_block_after(after) or self.free_queue.popleft()
             assert block.ref_cnt == 0, f"free block {block.block_id} still referenced"
             self._evict(block)
             block.ref_cnt = 1
+            blocks.append(block)
+            after = block
         return blocks
+
+    def set_aside_after(self, block: KVCacheBlock, n: int) -> None:
+        """Moves the up to n free, uncached blocks that follow `block` in memory to
+        the back of the free queue, so that other requests take them last: room for
+        the sequence that ends at `block` to grow into (allocate's `after`)."""
+        for block_id in range(block.block_id + 1, min(block.block_id + 1 + n, self.num_blocks)):
+            follower = self.blocks[block_id]
+            if follower.ref_cnt or follower.block_hash is not None:
+                return
+            self.free_queue.remove(follower)
+            self.free_queue.append(follower)
+
+    def _free_block_after(self, block: KVCacheBlock | None) -> KVCacheBlock | None:
+        if block is None or block.block_id + 1 >= self.num_blocks:
+            return None
+        follower = self.blocks[block.block_id + 1]
+        if follower.ref_cnt or follower.block_hash is not None:
+            return None
+        self.free_queue.remove(follower)
+        return follower
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes one more reference to each (cache-hit) block, reviving free ones."""

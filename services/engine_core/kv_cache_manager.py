@@ -8,6 +8,10 @@ from services.engine_core.kv_cache_utils import KVCacheBlock, hash_full_blocks
 from services.engine_core.request import Request
 
 
+# The most blocks set aside after a new request's first ones (512 tokens of 16).
+MAX_BLOCKS_SET_ASIDE = 32
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -79,15 +83,28 @@ class KVCacheManager:
             self._copy_on_write(blocks, shared)
         self.block_pool.touch(new_computed_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        first = not blocks
         blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.allocate(num_new_blocks)
+        new_blocks = self.block_pool.allocate(num_new_blocks, blocks[-1] if blocks else None)
         blocks.extend(new_blocks)
+        if first and new_blocks and not self.enable_prefix_caching:
+            self._set_room_aside(request, len(blocks), new_blocks[-1])
         if self.enable_prefix_caching:
             # Up to the known tokens: an in-flight one (async scheduling) has no
             # hash yet; its block is registered on a later step.
             self._cache_full_blocks(request, blocks,
                                     min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in new_blocks]
+
+    def _set_room_aside(self, request: Request, num_blocks: int, last: KVCacheBlock) -> None:
+        """Sets the blocks after a new request's first ones aside for its growth, up
+        to its max_tokens (at most MAX_BLOCKS_SET_ASIDE). Not with prefix caching:
+        there the free queue's order is the eviction order of cached blocks."""
+        params = request.sampling_params
+        total = request.num_prompt_tokens + ((params.max_tokens or 0) if params else 0)
+        room = min(cdiv(total, self.block_size) - num_blocks, MAX_BLOCKS_SET_ASIDE)
+        if room > 0:
+            self.block_pool.set_aside_after(last, room)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Beam search: the child starts with every block of its parent, shared by

@@ -91,3 +91,39 @@ def test_prefix_caching_off_never_hits():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
     admit(kv, make_request("a", range(9)))
     assert kv.get_computed_blocks(make_request("b", range(9))) == ([], 0)
+
+
+def _decode_round_robin(kv, requests, steps):
+    for _ in range(steps):
+        for request in requests:
+            assert kv.allocate_slots(request, 1) is not None
+            request.num_computed_tokens += 1
+            request.append_output_token(5)
+
+
+def test_without_prefix_caching_each_request_grows_into_the_blocks_after_its_prompt():
+    """Four prompts of 2 blocks admitted together, then decoding in turns: each
+    request's blocks are one run (room set aside up to its max_tokens), so decode
+    attention streams them; without it they interleave (0-1, 8, 12, ...)."""
+    kv = KVCacheManager(40, BS, enable_prefix_caching=False)
+    requests = [Request(f"r{i}", list(range(10 * i, 10 * i + 8)), SamplingParams(max_tokens=12))
+                for i in range(4)]
+    for request in requests:
+        admit(kv, request)
+    _decode_round_robin(kv, requests, 12)
+    for i, request in enumerate(requests):
+        assert kv.block_ids(request.request_id) == list(range(5 * i, 5 * i + 5))
+    for request in requests:
+        kv.free(request)
+    assert kv.num_free_blocks == 40
+
+
+def test_with_prefix_caching_admission_leaves_the_eviction_order_alone():
+    kv = KVCacheManager(40, BS, enable_prefix_caching=True)
+    requests = [Request(f"r{i}", list(range(10 * i, 10 * i + 8)), SamplingParams(max_tokens=12))
+                for i in range(2)]
+    for request in requests:
+        admit(kv, request)
+    assert [b.block_id for b in kv.block_pool.free_queue] == list(range(4, 40))
+    _decode_round_robin(kv, requests, 4)  # each takes the block after its last if free
+    assert kv.block_ids("r0") == [0, 1, 4] and kv.block_ids("r1") == [2, 3, 5]
