@@ -191,14 +191,13 @@ struct Scratch {
   std::vector<float> q, scores, acc, top, sum;
 };
 
-// Every query head of one sequence against its
-// `len` tokens in blocks row[0], row[1], ...: one walk over the key blocks and
-// one over the value blocks. Leaves per head, in s, the max score (top), the
-// sum of exp(score - top) (sum) and the value sums weighted by those (acc). A
-// block's K (or V) of consecutive KV heads is contiguous, so with all KV heads
-// in one item a walk reads whole blocks in order: from memory, 1.3-1.45x (fp32)
-// and 1.28x (bf16) the rate of one walk per KV head, 64 sequences with half
-// their blocks adjacent.
+// Every query head of one sequence against its `len` tokens in blocks row[0],
+// row[1], ...: one walk over the key blocks and one over the value blocks.
+// Leaves per head, in s, the max score (top), the sum of exp(score - top) (sum)
+// and the value sums weighted by those (acc). A block's K (or V) of consecutive
+// KV heads is contiguous, so with all KV heads in one item a walk reads whole
+// blocks in order: from memory, 1.3-1.45x (fp32) and 1.28x (bf16) the rate of
+// one walk per KV head, 64 sequences with half their blocks adjacent.
 template <typename q_t, typename scalar_t, int BS, int D>
 void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
             int64_t len, int64_t kv_heads, int64_t group, double scale, Scratch& s) {
