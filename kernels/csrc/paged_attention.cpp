@@ -295,73 +295,69 @@ void merge_chunks(const float* partial, int64_t chunks, int64_t heads, int64_t w
 // Shared out with stealing, as the GEMM's (work_stealing.h).
 template <typename q_t, typename scalar_t, int BS, int D>
 struct Decode {
+  // The step's tensors as both ways of sharing out the work read them.
+  struct Batch {
+    const q_t* q;
+    const scalar_t *kc, *vc;
+    const int64_t *table, *lens;
+    q_t* out;
+    int64_t B, H, KV, group, q_stride, max_blocks;
+    double scale;
+  };
+
   static void run(const torch::Tensor& query, const torch::Tensor& key_cache,
                   const torch::Tensor& value_cache, const torch::Tensor& block_table,
                   const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-    if (query.size(0) < 4 * at::get_num_threads())
-      return chunked(query, key_cache, value_cache, block_table, seq_lens, scale, out);
-    const int64_t B = query.size(0), H = query.size(1), q_stride = query.stride(0);
-    const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
-    const q_t* q = query.data_ptr<q_t>();
-    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
-    const int64_t* table = block_table.data_ptr<int64_t>();
-    const int64_t* lens = seq_lens.data_ptr<int64_t>();
-    q_t* o = out.data_ptr<q_t>();
-    llmserve::parallel_for_stealing(B, [&](auto& next) {
+    const int64_t H = query.size(1), KV = key_cache.size(1);
+    const Batch x{query.data_ptr<q_t>(), key_cache.data_ptr<scalar_t>(),
+                  value_cache.data_ptr<scalar_t>(), block_table.data_ptr<int64_t>(),
+                  seq_lens.data_ptr<int64_t>(), out.data_ptr<q_t>(), query.size(0), H, KV,
+                  H / KV, query.stride(0), block_table.size(1), scale};
+    if (x.B < 4 * at::get_num_threads()) return chunked(x);
+    llmserve::parallel_for_stealing(x.B, [&](auto& next) {
       llmserve::FlushDenormals flush;
       Scratch scratch;
       for (int64_t b; (b = next()) >= 0;)
-        decode_item<q_t, scalar_t, BS, D>(q + b * q_stride, kc, vc, table + b * max_blocks,
-                                          lens[b], KV, group, scale, o + b * H * D, scratch);
+        decode_item<q_t, scalar_t, BS, D>(x.q + b * x.q_stride, x.kc, x.vc,
+                                          x.table + b * x.max_blocks, x.lens[b], x.KV, x.group,
+                                          x.scale, x.out + b * x.H * D, scratch);
     });
   }
 
-  static void chunked(const torch::Tensor& query, const torch::Tensor& key_cache,
-                      const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                      const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-    const int64_t B = query.size(0), H = query.size(1), q_stride = query.stride(0);
-    const int64_t KV = key_cache.size(1), group = H / KV, max_blocks = block_table.size(1);
-    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  static void chunked(const Batch& x) {
+    std::vector<int64_t> num_blocks(x.B);
     int64_t total_blocks = 0;
-    for (int64_t b = 0; b < B; ++b) total_blocks += (lens[b] + BS - 1) / BS;
-    const int64_t per = std::max(kMinChunkBlocks,
-                                 (total_blocks + 4 * at::get_num_threads() - 1) /
-                                     (4 * at::get_num_threads()));
+    for (int64_t b = 0; b < x.B; ++b) total_blocks += num_blocks[b] = (x.lens[b] + BS - 1) / BS;
+    const int64_t items = 4 * at::get_num_threads();
+    const int64_t per = std::max(kMinChunkBlocks, (total_blocks + items - 1) / items);
     std::vector<DecodeChunk> chunks;
-    std::vector<int64_t> first(B + 1);
-    for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> first(x.B + 1);
+    for (int64_t b = 0; b < x.B; ++b) {
       first[b] = static_cast<int64_t>(chunks.size());
-      const int64_t num_blocks = (lens[b] + BS - 1) / BS;
-      for (int64_t n0 = 0; n0 < num_blocks; n0 += per)
-        chunks.push_back({b, n0, std::min(n0 + per, num_blocks)});
+      for (int64_t n0 = 0; n0 < num_blocks[b]; n0 += per)
+        chunks.push_back({b, n0, std::min(n0 + per, num_blocks[b])});
     }
-    first[B] = static_cast<int64_t>(chunks.size());
-    const int64_t width = H * D + 2 * H;
+    first[x.B] = static_cast<int64_t>(chunks.size());
+    const int64_t width = x.H * D + 2 * x.H;
     std::vector<float> partial(chunks.size() * width);
-    const q_t* q = query.data_ptr<q_t>();
-    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
-    const int64_t* table = block_table.data_ptr<int64_t>();
-    llmserve::parallel_for_stealing(first[B], [&](auto& next) {
+    llmserve::parallel_for_stealing(first[x.B], [&](auto& next) {
       llmserve::FlushDenormals flush;
       Scratch s;
       for (int64_t item; (item = next()) >= 0;) {
         const DecodeChunk& c = chunks[item];
-        attend<q_t, scalar_t, BS, D>(q + c.seq * q_stride, kc, vc,
-                                     table + c.seq * max_blocks + c.n0,
-                                     std::min(lens[c.seq], c.n1 * BS) - c.n0 * BS, KV, group,
-                                     scale, s);
+        attend<q_t, scalar_t, BS, D>(x.q + c.seq * x.q_stride, x.kc, x.vc,
+                                     x.table + c.seq * x.max_blocks + c.n0,
+                                     std::min(x.lens[c.seq], c.n1 * BS) - c.n0 * BS, x.KV,
+                                     x.group, x.scale, s);
         float* dst = partial.data() + item * width;
-        std::copy(s.acc.begin(), s.acc.begin() + H * D, dst);
-        std::copy(s.top.begin(), s.top.begin() + H, dst + H * D);
-        std::copy(s.sum.begin(), s.sum.begin() + H, dst + H * D + H);
+        std::copy(s.acc.begin(), s.acc.begin() + x.H * D, dst);
+        std::copy(s.top.begin(), s.top.begin() + x.H, dst + x.H * D);
+        std::copy(s.sum.begin(), s.sum.begin() + x.H, dst + x.H * D + x.H);
       }
     });
-    q_t* o = out.data_ptr<q_t>();
-    for (int64_t b = 0; b < B; ++b)
-      merge_chunks<q_t, D>(partial.data() + first[b] * width, first[b + 1] - first[b], H, width,
-                           o + b * H * D);
+    for (int64_t b = 0; b < x.B; ++b)
+      merge_chunks<q_t, D>(partial.data() + first[b] * width, first[b + 1] - first[b], x.H,
+                           width, x.out + b * x.H * D);
   }
 };
 
