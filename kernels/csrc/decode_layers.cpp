@@ -41,6 +41,17 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   return stack[0].toTensor();
 }
 
+// silu_and_mul of the gate_up linear's product: in our GEMM's own pass where it
+// takes the step and each half of the weight is whole panels, as
+// PackedColumnParallelLinear.silu_and_mul chooses.
+torch::Tensor gated(const torch::Tensor& x, const torch::Tensor& weight,
+                    const torch::Tensor* packed, const Step& s) {
+  const int64_t n = weight.size(0);
+  if (x.size(0) > s.gemv_rows && !packed->is_mkldnn() && n % (2 * packed->size(2)) == 0)
+    return gemm_silu_and_mul(x, *packed, n);
+  return silu_and_mul(linear(x, weight, packed, s));
+}
+
 // Attention then MLP of one layer, from its normed input x; leaves the residual
 // stream updated and returns the MLP's output (not yet added to it).
 torch::Tensor layer(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor* w,
@@ -63,7 +74,7 @@ torch::Tensor layer(const torch::Tensor& x, torch::Tensor& residual, const torch
                                      s.scale);
   auto h = lin(attn.view({T, q_size}), 1);
   fused_add_rms_norm(h, residual, w[3], s.eps);
-  return lin(silu_and_mul(lin(h, 2)), 3);
+  return lin(gated(h, w[4], p ? p + 2 : nullptr, s), 3);
 }
 
 }  // namespace

@@ -12,6 +12,10 @@
 // with the weights in memory, against ~93% here, and ~95% of it with them in
 // cache (bench/NOTES.md). Built for AVX-512: without it 24 sums do not fit the
 // 16 AVX2 registers, and the worker does not choose this kernel there.
+//
+// gemm_silu_and_mul multiplies by an MLP's gate_up weight and applies the
+// activation tile by tile, gate's panel and up's in turn, so the product (twice
+// the MLP's width) is never written out and read back.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -72,6 +76,47 @@ void panel_rows(const float* x, int64_t K, const float* panel, int64_t r0, int64
   }
 }
 
+// silu(x W_gate^T) * (x W_up^T) for rows [r0, r1), on the 48 output columns at
+// `col` of gate panel `gate` and up panel `up` (the same columns of each half of
+// W): both tiles and the product stay in L1, so gate_up's product, twice the
+// output, never goes through memory (bench/NOTES.md). The same sums and the
+// same silu as gemm then silu_and_mul, so the same bits.
+void gated_panel_rows(const float* x, int64_t K, const float* gate, const float* up,
+                      int64_t r0, int64_t r1, float* y, int64_t n, int64_t col) {
+  const int64_t tiles = (r1 - r0 + kTileRows - 1) / kTileRows;
+  float g[kTileRows * kPanel], u[kTileRows * kPanel];
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = (r1 - r0) / (tiles - t);
+    kTiles[rows](x + r0 * K, K, gate, K, g, kPanel);
+    kTiles[rows](x + r0 * K, K, up, K, u, kPanel);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* gr = g + r * kPanel;
+      llmserve::silu(gr, kPanel);
+      float* out = y + (r0 + r) * n + col;
+      for (int v = 0; v < kVectors; ++v)
+        store16(out + 16 * v, load16(gr + 16 * v) * load16(u + r * kPanel + 16 * v));
+    }
+    r0 += rows;
+  }
+}
+
+// Work items: a panel (of `panels`) and a group of rows. Row groups only where
+// the panels alone are too few to keep every thread busy (N of 576 is 12
+// panels). Stealing, not a static split: a thread that loses its core to another
+// process for a while no longer holds the other at the end of every product.
+template <typename Fn>
+void for_panels_and_rows(int64_t panels, int64_t M, Fn&& fn) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t groups = std::clamp<int64_t>(2 * at::get_num_threads() / panels, 1, tiles);
+  llmserve::parallel_for_stealing(panels * groups, [&](auto& next) {
+    llmserve::FlushDenormals flush;
+    for (int64_t item; (item = next()) >= 0;) {
+      const int64_t p = item / groups, g = item % groups;
+      fn(p, M * g / groups, M * (g + 1) / groups);
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor pack_gemm_weight(torch::Tensor weight) {
@@ -100,22 +145,33 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
-  // Work items: a panel and a group of rows. Row groups only where the panels
-  // alone are too few to keep every thread busy (N of 576 is 12 panels).
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t groups = std::clamp<int64_t>(2 * at::get_num_threads() / panels, 1, tiles);
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Stealing, not a static split: a thread that loses its core to another process
-  // for a while no longer holds the other at the end of every product.
-  llmserve::parallel_for_stealing(panels * groups, [&](auto& next) {
-    llmserve::FlushDenormals flush;
-    for (int64_t item; (item = next()) >= 0;) {
-      const int64_t p = item / groups, g = item % groups;
-      panel_rows(xp, K, wp + p * K * kPanel, M * g / groups, M * (g + 1) / groups, yp, n,
-                 p * kPanel);
-    }
+  for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
+    panel_rows(xp, K, wp + p * K * kPanel, r0, r1, yp, n, p * kPanel);
+  });
+  return y;
+}
+
+// silu_and_mul(gemm(x, packed, n)) in one pass, for a gate_up weight [n, K] whose
+// halves (gate, then up) are whole panels: [M, n / 2].
+torch::Tensor gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && packed.dim() == 3 &&
+              packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
+              n % (2 * kPanel) == 0 && packed.size(0) == n / kPanel,
+              "gemm_silu_and_mul: fp32 x [M, K] and pack_gemm_weight's panels of a [n, K] "
+              "weight whose halves are multiples of ", kPanel, " rows");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), half = n / 2, panels = half / kPanel;
+  auto y = torch::empty({M, half}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
+    gated_panel_rows(xp, K, wp + p * K * kPanel, wp + (p + panels) * K * kPanel, r0, r1, yp,
+                     half, p * kPanel);
   });
   return y;
 }

@@ -21,6 +21,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("gemm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("gemm_silu_and_mul(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("stolen_items(int items, int stall_us) -> Tensor");
   m.def("amx_bf16_available() -> bool");
   m.def("llama_decode_layers(Tensor x, Tensor[] weights, Tensor[] packed, Tensor(a!)[] caches, "
@@ -42,6 +43,7 @@ TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("pack_gemm_weight", &pack_gemm_weight);
   m.impl("gemm", &gemm);
+  m.impl("gemm_silu_and_mul", &gemm_silu_and_mul);
   m.impl("amx_bf16_linear", &amx_bf16_linear);
   m.impl("llama_decode_layers", &llama_decode_layers);
 }

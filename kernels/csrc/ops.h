@@ -27,6 +27,7 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight);
 torch::Tensor pack_gemm_weight(torch::Tensor weight);
 torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+torch::Tensor gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64_t n);
 torch::Tensor stolen_items(int64_t items, int64_t stall_us);
 bool amx_bf16_available();
 torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,

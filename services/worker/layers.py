@@ -1,8 +1,8 @@
-"""Building blocks of the Llama-family models: norms, rotary embedding, activation,
-over the element-wise kernels of kernels/cpu_layers.py (C++ on the CPU, torch
-elsewhere).
+"""Building blocks of the Llama-family models: norms and rotary embedding, over the
+element-wise kernels of kernels/cpu_layers.py (C++ on the CPU, torch elsewhere).
 
-The (tensor-parallel) linear layers are in linear.py."""
+The (tensor-parallel) linear layers are in linear.py, with the MLP's activation
+(PackedColumnParallelLinear.silu_and_mul)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +12,6 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.cpu_layers import fused_add_rms_norm, rms_norm, rotary_embedding
-from kernels.cpu_layers import silu_and_mul  # noqa: F401 (the models' activation)
 
 
 class RMSNorm(nn.Module):

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_layers import silu_and_mul
+from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul.strategy import matmul
 from services.worker.lora.layer import LoRALayer
 from services.worker.parallel import SINGLE, TensorParallel
@@ -70,6 +72,17 @@ class PackedColumnParallelLinear(_Linear):
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(x.split([size for _, size in self.shard_offsets.values()], dim=-1))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate/up layer's output: inside the product's kernel
+        where its strategy fuses them, else after it."""
+        flat = x.reshape(-1, x.shape[-1])
+        y = None
+        if self.lora is None and self.bias is None:
+            y = fused_silu_and_mul(getattr(self, "cpu_weights", None), flat)
+        if y is None:
+            y = silu_and_mul(self(flat))
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class RowParallelLinear(_Linear):

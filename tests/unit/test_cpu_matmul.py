@@ -12,12 +12,13 @@ from services.worker.cpu_matmul.choose import (PACKED_GEMM_PATH, fp32_path, sixt
                                                weight_dtype_max_rows)
 from services.worker.cpu_matmul import gemm as gemm_module
 from services.worker.cpu_matmul.gemm import GEMV_OVER_PACKED_GEMM_ROWS, PackedGemmWeights
+from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_FP32_ROWS,
                                              GEMV_OVER_ONEDNN_ROWS, GemvForFewRows, gemv_rows)
 from services.worker.cpu_matmul.onednn import OneDNNWeights
-from services.worker.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                    linear_layers)
+from services.worker.linear import (ColumnParallelLinear, PackedColumnParallelLinear,
+                                    ParallelLMHead, RowParallelLinear, linear_layers)
 
 
 def prepare_cpu_linears(model, dtype, weight_dtype):
@@ -63,6 +64,73 @@ def test_packed_gemm_refuses_a_weight_packed_for_another_shape():
     with pytest.raises(RuntimeError, match="pack_gemm_weight's panels"):
         torch.ops.llmserve.gemm(torch.randn(4, 16), packed, 100)
     assert torch.ops.llmserve.gemm(torch.randn(0, 32), packed, 100).shape == (0, 100)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 130])
+@pytest.mark.parametrize("half,k", [(48, 16), (96, 576), (1536, 576), (144, 1536)])
+def test_packed_gemm_fuses_silu_and_mul_bit_for_bit(rows, half, k):
+    """gemm_silu_and_mul is silu_and_mul(gemm(...)) in one pass: the same bits, and
+    SiLU(gate) * up of the exact products (gates large enough to reach the exp's
+    clamps)."""
+    gen = torch.Generator().manual_seed(rows * half + k)
+    x = torch.randn(rows, k, generator=gen) * 4
+    weight = torch.randn(2 * half, k, generator=gen) * 0.5
+    packed = torch.ops.llmserve.pack_gemm_weight(weight)
+    got = torch.ops.llmserve.gemm_silu_and_mul(x, packed, 2 * half)
+    assert got.shape == (rows, half)
+    assert torch.equal(got, torch.ops.llmserve.silu_and_mul(torch.ops.llmserve.gemm(
+        x, packed, 2 * half)))
+    gate, up = F.linear(x.double(), weight.double()).chunk(2, dim=-1)
+    want = F.silu(gate) * up  # fp32 sums' error is relative to the largest products
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_packed_gemm_fuses_only_halves_of_whole_panels():
+    weight = torch.randn(2 * 50, 32)
+    packed = torch.ops.llmserve.pack_gemm_weight(weight)
+    with pytest.raises(RuntimeError, match="halves are multiples of 48 rows"):
+        torch.ops.llmserve.gemm_silu_and_mul(torch.randn(4, 32), packed, 100)
+    assert PackedGemmWeights(weight).silu_and_mul(torch.randn(4, 32)) is None
+    assert PackedGemmWeights(torch.randn(96, 32)).silu_and_mul(torch.randn(0, 32)).shape == (0, 48)
+
+
+def test_a_gate_up_layer_fuses_its_activation_where_our_packed_gemm_takes_the_rows(monkeypatch):
+    """Above the GEMV's rows, through the 16-bit weights mode's nesting too; never with
+    a bias or LoRA, whose terms come before the activation."""
+    fused = []
+    real = PackedGemmWeights.silu_and_mul
+    monkeypatch.setattr(PackedGemmWeights, "silu_and_mul",
+                        lambda self, x: fused.append(len(x)) or real(self, x))
+    layer = PackedColumnParallelLinear(64, {"gate": 96, "up": 96}, bias=False)
+    nn.init.normal_(layer.weight, std=0.1)
+    x = torch.randn(2, 5, 64)  # leading dims kept
+    gate, up = F.linear(x, layer.weight).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    packed = PackedGemmWeights(layer.weight)
+    for weights, rows, fused_at in (
+            (GemvForFewRows(layer.weight, 1, packed), 5, [10]),
+            (GemvForFewRows(layer.weight.bfloat16(), 4,
+                            GemvForFewRows(layer.weight, 1, packed)), 5, [10]),
+            (GemvForFewRows(layer.weight, 8, packed), 4, [])):  # 8 rows: all the GEMV's
+        fused.clear()
+        layer.cpu_weights = weights
+        torch.testing.assert_close(layer.silu_and_mul(x[:, :rows]), want[:, :rows],
+                                   rtol=1e-2, atol=1e-2)
+        assert fused == fused_at
+        assert fused_silu_and_mul(weights, x[0, :1]) is None  # one row: the GEMV's
+    fused.clear()
+    layer.cpu_weights = packed
+    layer.lora = OneMore()  # its delta comes after the product: not fused
+    gate, up = (F.linear(x, layer.weight) + 1).chunk(2, dim=-1)
+    torch.testing.assert_close(layer.silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert fused == []
+
+
+class OneMore:
+    """A LoRA layer's stand-in: adds one to every output."""
+
+    def add_delta(self, y, x):
+        return y + 1
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])

@@ -1,13 +1,16 @@
 """Our GEMM kernel (kernels/csrc/gemm.cpp) on fp32 weights packed once into panels
 of 48 output columns: the fp32 path on AVX-512 CPUs off Intel, for every step
 above the GEMV's row, in place of oneDNN's prepacked product, which it beat on
-the model's shapes from 2 to 256 rows and about matched at 2,048 (bench/NOTES.md)."""
+the model's shapes from 2 to 256 rows and about matched at 2,048 (bench/NOTES.md).
+On an MLP's gate_up weight it also applies the activation inside the product
+(fused_silu_and_mul)."""
 from __future__ import annotations
 
 import torch
 
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import cpu_flags
+from services.worker.cpu_matmul.gemv import GemvForFewRows
 from services.worker.host_memory import onto_huge_pages
 
 # Up to this many rows our GEMV on the fp32 weights keeps up with the packed
@@ -28,6 +31,22 @@ class PackedGemmWeights:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmserve.gemm(x, self.packed, self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a gate/up weight's x W^T in the product's own pass, where
+        each half is whole panels; None where it is not."""
+        if self.out_features % (2 * self.packed.shape[2]):
+            return None
+        return torch.ops.llmserve.gemm_silu_and_mul(x, self.packed, self.out_features)
+
+
+def fused_silu_and_mul(strategy, x: torch.Tensor) -> torch.Tensor | None:
+    """silu_and_mul(strategy(x)) in one kernel where x's rows go to our packed GEMM and
+    it fuses the two: gate_up's product, twice the output, then never goes through
+    memory (bench/NOTES.md). None elsewhere (the GEMV's rows, other strategies)."""
+    while isinstance(strategy, GemvForFewRows) and x.shape[0] > strategy.max_rows:
+        strategy = strategy.many
+    return strategy.silu_and_mul(x) if isinstance(strategy, PackedGemmWeights) else None
 
 
 def packed_gemm_available() -> bool:

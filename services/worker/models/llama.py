@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from services.worker.attention import AttentionMetadata, CpuPagedBackend
-from services.worker.layers import RMSNorm, Rope, RotaryEmbedding, apply_rope, silu_and_mul
+from services.worker.layers import RMSNorm, Rope, RotaryEmbedding, apply_rope
 from services.worker.linear import (PackedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                     VocabParallelEmbedding)
 from services.worker.models.cpu_decode_layers import CpuDecodeLayers
@@ -100,7 +100,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
