@@ -25,11 +25,11 @@ def _children(pid: int) -> list[int]:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        # A zombie is dead too: only its parent's wait() is missing.
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # gone, or reaped between the two looks
         return False
-    # A zombie is dead too: only its parent's wait() is missing.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def _start_serve(model_dir):
