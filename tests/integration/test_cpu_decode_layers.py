@@ -105,19 +105,20 @@ def test_the_cpp_loop_equals_the_python_layers(case, dtype, kv_dtype, tmp_path):
     _decode_steps(model, kv_dtype)
 
 
-# gate and up of 192 features each: whole panels of our packed GEMM, which then
-# computes the activation in the product's pass, in C++ and in Python alike.
-HALVES_OF_WHOLE_PANELS = {
+# PLAIN, and gate and up of 192 features each: whole panels of our packed GEMM,
+# which then computes the activation in the product's pass, in C++ and in Python alike.
+PACKED_GEMM_CASES = {
+    **PLAIN,
     "llama-halves-of-whole-panels": lambda: LlamaConfig(**{**SHAPE, "intermediate_size": 192}),
 }
 
 
 @pytest.mark.parametrize("many", [PackedGemmWeights, MIXED], ids=["packed-gemm", "mixed"])
-@pytest.mark.parametrize("case", {**PLAIN, **HALVES_OF_WHOLE_PANELS})
+@pytest.mark.parametrize("case", PACKED_GEMM_CASES)
 def test_the_cpp_loop_multiplies_by_our_packed_gemms_weights_as_python_does(case, many,
                                                                            tmp_path):
     """fp32's path on AVX-512 off Intel; C++ tells the two packed kinds apart."""
-    model = _tiny({**PLAIN, **HALVES_OF_WHOLE_PANELS}[case](), tmp_path, many=many)
+    model = _tiny(PACKED_GEMM_CASES[case](), tmp_path, many=many)
     assert model.use_cpu_decode_layers()
     assert model.model.cpu_decode.max_rows == ANY_ROWS
     _decode_steps(model, torch.float32)
