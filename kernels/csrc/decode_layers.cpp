@@ -15,7 +15,7 @@
 namespace {
 
 // Per layer in `weights`: input norm, qkv, o, post-attention norm, gate_up, down;
-// in `packed`, where given: qkv, o, gate_up, down as our GEMM or oneDNN packed them.
+// in `packed`, where given: qkv, o, gate_up, down as our GEMM, MKL or oneDNN packed them.
 constexpr int64_t kPerLayer = 6;
 constexpr int64_t kPackedPerLayer = 4;
 
@@ -25,20 +25,28 @@ struct Step {
   double eps, scale;
 };
 
+// Calls a torch operator, as Python's torch.ops does.
+torch::Tensor call(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // x W^T as the linear's strategy (cpu_matmul/gemv.py GemvForFewRows) computes it:
 // our GEMV up to its rows, else the product with the packed weight: our GEMM's
-// panels (cpu_matmul/gemm.py PackedGemmWeights), or oneDNN's opaque tensor,
-// called as OneDNNWeights calls it.
+// panels (cpu_matmul/gemm.py PackedGemmWeights), or an opaque tensor, called as
+// its strategy calls it: MKL's pack (cpu_matmul/mkl.py, a buffer of [floats, 1])
+// or oneDNN's (cpu_matmul/onednn.py, the weight's own [N, K]).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor* packed, const Step& s) {
   if (x.size(0) <= s.gemv_rows) return gemv(x, weight);
   if (!packed->is_mkldnn()) return gemm(x, *packed, weight.size(0));
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, *packed, c10::IValue(), std::string("none"),
-                          c10::List<std::optional<at::Scalar>>(), std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
+  static auto& ops = c10::Dispatcher::singleton();
+  static const auto mkl = ops.findSchemaOrThrow("mkl::_mkl_linear", "");
+  static const auto onednn = ops.findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  if (packed->sizes() != weight.sizes())
+    return call(mkl, {x, *packed, weight, c10::IValue(), x.size(0)});
+  return call(onednn, {x, *packed, c10::IValue(), std::string("none"),
+                       c10::List<std::optional<at::Scalar>>(), std::string("")});
 }
 
 // silu_and_mul of the gate_up linear's product: in our GEMM's own pass where it

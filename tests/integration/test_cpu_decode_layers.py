@@ -13,6 +13,7 @@ from services.common.scheduler_output import (CachedRequestData, NewRequestData,
                                               SchedulerOutput)
 from services.worker.cpu_matmul.gemm import PackedGemmWeights
 from services.worker.cpu_matmul.gemv import GemvForFewRows
+from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
 from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 from services.worker.cpu_matmul.strategy import FLinear
 from services.worker.linear import linear_layers
@@ -44,8 +45,8 @@ def _tiny(config, tmp_path, dtype=torch.float32, many=None):
 
 
 def MIXED(i: int):
-    """Our packed GEMM and oneDNN's packed weights, layer by layer."""
-    return (PackedGemmWeights, OneDNNWeights)[i % 2]
+    """Our packed GEMM, MKL's and oneDNN's packed weights, linear by linear."""
+    return (PackedGemmWeights, MKLPackedWeights, OneDNNWeights)[i % 3]
 
 
 def _both_ways(runner: ModelRunner, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +114,14 @@ PACKED_GEMM_CASES = {
 }
 
 
-@pytest.mark.parametrize("many", [PackedGemmWeights, MIXED], ids=["packed-gemm", "mixed"])
+@pytest.mark.parametrize("many", [PackedGemmWeights, MKLPackedWeights, MIXED],
+                         ids=["packed-gemm", "mkl", "mixed"])
 @pytest.mark.parametrize("case", PACKED_GEMM_CASES)
-def test_the_cpp_loop_multiplies_by_our_packed_gemms_weights_as_python_does(case, many,
-                                                                           tmp_path):
-    """fp32's path on AVX-512 off Intel; C++ tells the two packed kinds apart."""
+def test_the_cpp_loop_multiplies_by_packed_weights_as_python_does(case, many, tmp_path):
+    """fp32's paths on AVX-512: our packed GEMM off Intel, MKL's pack on Intel (MKL
+    computes on any x86 CPU, so both run here); C++ tells the three packed kinds apart."""
+    if many is not PackedGemmWeights and not mkl_packing_available():
+        pytest.skip("this torch has no MKL")
     model = _tiny(PACKED_GEMM_CASES[case](), tmp_path, many=many)
     assert model.use_cpu_decode_layers()
     assert model.model.cpu_decode.max_rows == ANY_ROWS

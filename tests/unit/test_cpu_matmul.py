@@ -16,6 +16,8 @@ from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_FP32_ROWS,
                                              GEMV_OVER_ONEDNN_ROWS, GemvForFewRows, gemv_rows)
+from services.worker.cpu_matmul.mkl import (GEMV_OVER_MKL_ROWS, MKLPackedWeights,
+                                            mkl_packing_available)
 from services.worker.cpu_matmul.onednn import OneDNNWeights
 from services.worker.linear import (ColumnParallelLinear, PackedColumnParallelLinear,
                                     ParallelLMHead, RowParallelLinear, linear_layers)
@@ -245,9 +247,8 @@ def test_sixteen_bit_models_use_prepacked_onednn_where_native():
 
 
 def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
-    """The weights are packed once (for 64 rows) and serve every row count, equal to
-    F.linear up to the order of the sums (MKL's pack: the rows in PACKED_ROWS; other
-    row counts take F.linear itself)."""
+    """The weights are packed once (for 64 rows) and serve every row count above our
+    GEMV's, equal to F.linear up to the order of the sums."""
     model = Tiny()
     x = torch.randn(300, 64)
     expected = {rows: model(x[:rows]) for rows in (0, 1, 2, 3, 7, 64, 100, 300)}
@@ -257,35 +258,34 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
         return
     for rows, want in expected.items():
         torch.testing.assert_close(model(x[:rows]), want, rtol=1e-5, atol=1e-5)
-    if path == "MKL prepacked":  # outside PACKED_ROWS, F.linear itself
-        assert torch.equal(model(x[:2]), expected[2]) and torch.equal(model(x[:300]), expected[300])
     assert matmul(model.a, x[None, :5]).shape == (1, 5, 96)  # leading dims kept
-    # The product reads the packed weight (inside PACKED_ROWS, for MKL; above our
-    # GEMV's rows for our packed GEMM and oneDNN, where the GEMV reads the rest).
-    weights = model.a.cpu_weights
-    if isinstance(weights, GemvForFewRows):
-        limit = (GEMV_OVER_PACKED_GEMM_ROWS if path.startswith(PACKED_GEMM_PATH)
-                 else GEMV_OVER_ONEDNN_ROWS)
-        assert weights.max_rows == gemv_rows(limit)
+    # The product reads the packed weight above our GEMV's rows, where the GEMV reads
+    # the weight itself.
+    weights, gemv_limit = model.a.cpu_weights, 0
+    if isinstance(weights, GemvForFewRows):  # where the kernels are built
+        gemv_limit = gemv_rows({PACKED_GEMM_PATH: GEMV_OVER_PACKED_GEMM_ROWS,
+                                "MKL prepacked": GEMV_OVER_MKL_ROWS,
+                                "oneDNN prepacked": GEMV_OVER_ONEDNN_ROWS}[fp32_path()])
+        assert weights.max_rows == gemv_limit
         assert weights.gemv_weight.data_ptr() == model.a.weight.data_ptr()  # no copy
         weights = weights.many
     if isinstance(weights, PackedGemmWeights):
         weights.packed.zero_()
     else:
         assert weights.packed.is_mkldnn
-        weights.packed = (torch.ops.mkl._mkl_reorder_linear_weight if path == "MKL prepacked"
+        weights.packed = (torch.ops.mkl._mkl_reorder_linear_weight if path.startswith("MKL")
                           else torch.ops.mkldnn._reorder_linear_weight)(
             torch.zeros_like(model.a.weight), 64)
-    assert torch.equal(model.a(x[:64]), model.a.bias.expand(64, -1))
-    if path == "MKL prepacked":
-        torch.testing.assert_close(model.a(x[:2]), F.linear(x[:2], model.a.weight, model.a.bias))
+    for rows in (gemv_limit + 1, 64, 300):
+        assert torch.equal(model.a(x[:rows]), model.a.bias.expand(rows, -1)), rows
 
 
 @pytest.mark.parametrize("intel,avx512", [(True, True), (False, True), (False, False)])
 def test_fp32_takes_mkl_on_intel_our_gemm_with_avx512_and_onednn_elsewhere(monkeypatch, intel,
                                                                           avx512):
     """MKL runs generic code on other vendors' CPUs; there our packed GEMM beat oneDNN at
-    every row count measured, where it has AVX-512's registers (bench/NOTES.md)."""
+    every row count measured, where it has AVX-512's registers. On an Intel Xeon MKL's
+    pack beat our GEMM from 4 rows on (bench/NOTES.md). Our GEMV in front of each."""
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
     monkeypatch.setattr(gemm_module, "cpu_flags", lambda: {"avx2", "avx512f"} if avx512
                         else {"avx2"})
@@ -301,8 +301,11 @@ def test_fp32_takes_mkl_on_intel_our_gemm_with_avx512_and_onednn_elsewhere(monke
     expected = model(x)
     assert prepare_cpu_linears(model, torch.float32, None).startswith(want)
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
-    if want == PACKED_GEMM_PATH:
-        assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
+    many = {PACKED_GEMM_PATH: PackedGemmWeights, "MKL prepacked": MKLPackedWeights,
+            "oneDNN prepacked": OneDNNWeights}.get(want)
+    if many is not None and cpu_ops_available():
+        assert isinstance(model.a.cpu_weights, GemvForFewRows)
+        assert isinstance(model.a.cpu_weights.many, many)
 
 
 def test_the_path_name_says_which_layers_our_gemv_skips():
@@ -310,12 +313,12 @@ def test_the_path_name_says_which_layers_our_gemv_skips():
     the packed product for every row count, and the path's name says so."""
     model = nn.Sequential(nn.Linear(64, 40, bias=False), nn.Linear(40, 64, bias=False))
     path = prepare_cpu_linears(model, torch.float32, None)
-    if path.startswith(("oneDNN prepacked", PACKED_GEMM_PATH)):  # fp32 off Intel CPUs
+    if path.startswith(("oneDNN prepacked", "MKL prepacked", PACKED_GEMM_PATH)):
         first, second = model[0].cpu_weights, model[1].cpu_weights
         assert isinstance(first, GemvForFewRows)
         assert path == (f"{fp32_path()}, our GEMV for <= {first.max_rows} rows "
                         "where the input width is a multiple of 16")
-        assert isinstance(second, (OneDNNWeights, PackedGemmWeights))
+        assert isinstance(second, (OneDNNWeights, MKLPackedWeights, PackedGemmWeights))
     else:
         assert "GEMV" not in path
     x = torch.randn(2, 64)
@@ -341,6 +344,30 @@ def test_gemv_takes_one_row_without_avx512(monkeypatch, flags, expected):
     assert isinstance(sixteen, GemvForFewRows) and sixteen.max_rows == expected[0]
     x = torch.randn(expected[0] + 1, 64)
     # Past its rows, the fp32 path reads the fp32 weight: the exact fp32 product.
+    torch.testing.assert_close(sixteen(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (mkl_packing_available() and cpu_ops_available()),
+                    reason="needs torch's MKL and our kernels")
+@pytest.mark.parametrize("flags,rows", [({"avx2", "avx512f"}, GEMV_MAX_ROWS), ({"avx2"}, 1)])
+def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, flags, rows):
+    """On an Intel Xeon our GEMV on a 16-bit copy of the weights beat MKL's pack of the
+    fp32 ones at every row count it takes, 1 to 8, and our fp32 GEMV lost to that pack
+    from two rows on (bench/NOTES.md). Without AVX-512, one row each."""
+    monkeypatch.setattr(gemv_module, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(choose, "cpu_is_intel", lambda: True)
+    assert fp32_path() == "MKL prepacked" and weight_dtype_max_rows() == rows
+    weight = torch.randn(32, 64)
+    sixteen = sixteen_bit_weights(weight, torch.bfloat16)
+    assert isinstance(sixteen, GemvForFewRows) and sixteen.max_rows == rows
+    fp32 = sixteen.many
+    assert isinstance(fp32, GemvForFewRows) and fp32.max_rows == 1
+    assert isinstance(fp32.many, MKLPackedWeights)
+    x = torch.randn(rows + 1, 64)
+    # Up to its rows, the 16-bit copy's product.
+    torch.testing.assert_close(sixteen(x[:rows]), x[:rows] @ weight.bfloat16().float().T,
+                               rtol=1e-5, atol=1e-5)
+    # Past its rows, MKL's pack of the fp32 weight: the fp32 product.
     torch.testing.assert_close(sixteen(x), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 

@@ -8,8 +8,8 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
   of the weights for up to weight_dtype_max_rows() rows, the fp32 path above;
 - on CPUs without AVX-512, our GEMV for one row only (gemv_rows);
 - fp32 on Intel CPUs: MKL prepacked; on other CPUs with AVX-512: our GEMM on
-  weights we pack, our GEMV for one row; on the rest: oneDNN prepacked (MKL runs
-  generic code paths off Intel);
+  weights we pack; on the rest: oneDNN prepacked (MKL runs generic code paths
+  off Intel); our GEMV in front of each for one row (two before oneDNN);
 - otherwise F.linear.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ from services.worker.cpu_matmul.gemm import (GEMV_OVER_PACKED_GEMM_ROWS,
                                              packed_weights_on_huge_pages)
 from services.worker.cpu_matmul.gemv import (GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
                                              GemvForFewRows, gemv_rows, with_gemv)
-from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
+from services.worker.cpu_matmul.mkl import (GEMV_OVER_MKL_ROWS, SIXTEEN_BIT_GEMV_OVER_MKL_ROWS,
+                                            MKLPackedWeights, mkl_packing_available)
 from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
 from services.worker.cpu_matmul.strategy import FLinear, MatmulStrategy
 
@@ -50,7 +51,7 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
     packed_weights_on_huge_pages([_many(layer.cpu_weights) for layer in layers])
     # The name says what was built: with_gemv decides per layer.
     on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
-    if path in ("oneDNN prepacked", PACKED_GEMM_PATH) and any(on_gemv):
+    if path in ("oneDNN prepacked", "MKL prepacked", PACKED_GEMM_PATH) and any(on_gemv):
         path += f", our GEMV for <= {layers[on_gemv.index(True)].cpu_weights.max_rows} rows"
         if not all(on_gemv):
             path += " where the input width is a multiple of 16"
@@ -90,9 +91,12 @@ def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
 
 def weight_dtype_max_rows() -> int:
     """The most rows a step may have for `--weight-dtype` to act on it on this CPU:
-    fewer over our packed GEMM, the faster fp32 path (bench/NOTES.md)."""
-    if fp32_path() == PACKED_GEMM_PATH:
+    as many as its GEMV beats this CPU's fp32 path at (bench/NOTES.md)."""
+    path = fp32_path()
+    if path == PACKED_GEMM_PATH:
         return gemv_rows(SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
+    if path == "MKL prepacked":
+        return gemv_rows(SIXTEEN_BIT_GEMV_OVER_MKL_ROWS)
     return gemv_rows(GEMV_OVER_FP32_ROWS)
 
 
@@ -105,7 +109,7 @@ def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
     """The fastest x W^T for an fp32 weight on this CPU."""
     path = fp32_path()
     if path == "MKL prepacked":
-        return MKLPackedWeights(weight)
+        return with_gemv(weight, gemv_rows(GEMV_OVER_MKL_ROWS), MKLPackedWeights(weight))
     if path == PACKED_GEMM_PATH:
         return with_gemv(weight, gemv_rows(GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
     if path == "oneDNN prepacked":

@@ -13,10 +13,9 @@ from services.worker.cpu_matmul.strategy import MatmulStrategy
 GEMV_MAX_ROWS = 8
 # Up to this many rows our GEMV beats oneDNN's prepacked weights (bench/NOTES.md).
 GEMV_OVER_ONEDNN_ROWS = 2
-# Up to this many rows our GEMV over a 16-bit copy of the weights beats the fp32
-# path over fp32 ones; from 6 rows on it tied or lost (measured against oneDNN
-# prepacked on an AVX-512 AMD EPYC; MKL's path on Intel not measured: bench/NOTES.md),
-# so the `--weight-dtype` mode acts up to here.
+# Up to this many rows our GEMV over a 16-bit copy of the weights beats oneDNN's
+# prepacked fp32 path over fp32 ones; from 6 rows on it tied or lost (an AVX-512 AMD
+# EPYC, bench/NOTES.md), so the `--weight-dtype` mode acts up to here over oneDNN.
 GEMV_OVER_FP32_ROWS = 5
 # Without AVX-512 its 16-float vectors take two registers each, and built so it lost to
 # oneDNN's fp32 path from two rows on, with 16-bit weights too (bench/NOTES.md): one row.

@@ -6,10 +6,9 @@ around each (module calls, wrappers, views) cost more than the element-wise
 kernels themselves (bench/NOTES.md). The C++ loop runs the same kernels in the
 same order on the same tensors as LlamaDecoderLayer.forward, so its tokens are
 the same. It takes decode steps of plain layers whose linears run our GEMV for
-few rows and, above, our packed GEMM or oneDNN's packed weights (the fp32 and
-16-bit paths off Intel; steps of more rows where another library serves them
-stay in Python);
-the Python layers run everything else (prefills, mixed steps)."""
+few rows and, above, our packed GEMM, MKL's or oneDNN's packed weights (the
+fp32 and 16-bit paths; steps of more rows where another library serves them
+stay in Python); the Python layers run everything else (prefills, mixed steps)."""
 from __future__ import annotations
 
 import torch
@@ -19,12 +18,13 @@ from kernels.paged_attention import KERNEL_BLOCK_SIZES, KERNEL_HEAD_DIMS
 from services.worker.attention import AttentionMetadata, CpuPagedBackend
 from services.worker.cpu_matmul.gemv import GemvForFewRows
 from services.worker.cpu_matmul.gemm import PackedGemmWeights
+from services.worker.cpu_matmul.mkl import MKLPackedWeights
 from services.worker.cpu_matmul.onednn import OneDNNWeights
 
 # A step of any number of rows, where every linear has packed weights.
 ANY_ROWS = 1 << 30
 # The strategies whose packed weights the C++ loop multiplies by.
-PACKED = (PackedGemmWeights, OneDNNWeights)
+PACKED = (PackedGemmWeights, MKLPackedWeights, OneDNNWeights)
 
 
 def _plain_linears(layer) -> list | None:
@@ -75,7 +75,7 @@ class CpuDecodeLayers:
                         down.gemv_weight]
             strategies += [qkv, o, gate_up, down]
         rows = {s.max_rows for s in strategies}
-        # Above the GEMV's rows, our packed GEMM or oneDNN, where every linear has one
+        # Above the GEMV's rows, packed weights (PACKED), where every linear has one
         # and switches at the same rows (C++ keeps one threshold); else the GEMV's
         # rows alone.
         if len(rows) == 1 and all(isinstance(s.many, PACKED) for s in strategies):
