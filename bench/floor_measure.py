@@ -41,9 +41,9 @@ PACKED_GEMM_PATH = "llmserve packed GEMM"
 def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable]]:
     """Each way we know to compute x W^T on this CPU, as a maker of x -> x W^T for
     a weight: F.linear, W packed once by oneDNN (what vLLM-CPU runs), by MKL
-    (inductor's freezing; as the engine runs it, so F.linear outside PACKED_ROWS)
-    or by us for our GEMM kernel (fp32, AVX-512), and, for a few rows, our GEMV
-    kernel reading W as it is. Which is fastest depends on the CPU: MKL runs
+    (inductor's freezing; read at every row count, as the engine runs it above our
+    GEMV's one row) or by us for our GEMM kernel (fp32, AVX-512), and, for a few
+    rows, our GEMV kernel reading W as it is. Which is fastest depends on the CPU: MKL runs
     generic code on non-Intel ones."""
     from kernels.cpu_build import cpu_ops_available
     from services.worker.cpu_matmul.gemm import PackedGemmWeights, packed_gemm_available
