@@ -55,7 +55,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
                                    num_blocks, config.lora.num_slots,
                                    config.parallel.pipeline_parallel_size, config.speculative)
-        executor.init_kv_cache(num_blocks, self.scheduler.next_step_id)
+        executor.init_kv_cache(num_blocks)
         self.loras = LoRARegistry(config.lora, executor)
         self.info = EngineInfo(model_path=config.model.model,
                                max_model_len=config.model.max_model_len,
@@ -246,7 +246,7 @@ class EngineCore:
         self.scheduler.requeue_all()
         self.executor.reconnect()
         self.executor.load_model(self.config)
-        self.executor.init_kv_cache(self.info.num_kv_blocks, self.scheduler.next_step_id)
+        self.executor.init_kv_cache(self.info.num_kv_blocks)
         self.loras.reload_all()
         logger.info("workers recovered: %d requests resume by recomputation",
                     len(self.scheduler.waiting))

@@ -16,6 +16,7 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.common.tls import TlsConfig, sync_channel
+from services.engine_core.step_streams import StepStreams, StreamEnded, lost_worker_first
 
 
 # How long shutdown waits for the step in flight (a step takes milliseconds).
@@ -56,9 +57,8 @@ class Executor(abc.ABC):
         """The number of KV blocks every worker can hold."""
 
     @abc.abstractmethod
-    def init_kv_cache(self, num_blocks: int, next_step_id: int) -> None:
-        """Allocates the KV cache; the next step sent will be SchedulerOutput.step_id
-        next_step_id."""
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the KV cache; steps sent before it and not run yet are refused."""
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -105,7 +105,7 @@ class InprocExecutor(Executor):
     def determine_num_kv_blocks(self):
         return min(w.determine_num_kv_blocks() for w in self.workers)
 
-    def init_kv_cache(self, num_blocks, next_step_id):
+    def init_kv_cache(self, num_blocks):
         for w in self.workers:
             w.init_kv_cache(num_blocks)
 
@@ -124,7 +124,8 @@ def default_init_method(rank0_address: str) -> str:
 
 
 class GrpcExecutor(Executor):
-    """Talks to remote worker processes; each step goes to every worker."""
+    """Talks to remote worker processes; each step goes to every worker, on a
+    stream per worker (StepStreams) that stays open while it works."""
 
     overlaps_steps = True
 
@@ -132,8 +133,8 @@ class GrpcExecutor(Executor):
                  rpc_timeout_s: float = 600.0):
         self.channels = [sync_channel(a, tls) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
-        self.rpc_timeout_s = rpc_timeout_s
-        self._last_step_sent: list[grpc.Future] = []
+        self.rpc_timeout_s = rpc_timeout_s  # for the calls other than steps
+        self._steps: StepStreams | None = None
         # The rank whose step output counts: the last stage's first (ranks are
         # stage-major), set by load_model.
         self._output_rank = 0
@@ -143,6 +144,8 @@ class GrpcExecutor(Executor):
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
 
     def reconnect(self, timeout_s: float = 5.0) -> None:
+        if self._steps is not None and self._steps.error is None:
+            self._steps.cancel(StreamEnded())  # a restarted worker's stream died with it
         self.wait_ready(timeout_s)
 
     def _call_all(self, method: str, request):
@@ -154,8 +157,7 @@ class GrpcExecutor(Executor):
 
     @staticmethod
     def _responses(futures: list[grpc.Future]):
-        """Every rank's response. When ranks fail, a lost rank (UNAVAILABLE) is the
-        error raised: the others' errors (a collective cut short) follow from it."""
+        """Every rank's response, or the error that counts (lost_worker_first)."""
         responses, errors = [], []
         for future in futures:
             try:
@@ -163,7 +165,7 @@ class GrpcExecutor(Executor):
             except grpc.RpcError as e:
                 errors.append(e)
         if errors:
-            raise next((e for e in errors if e.code() == grpc.StatusCode.UNAVAILABLE), errors[0])
+            raise lost_worker_first(errors)
         return responses
 
     def load_model(self, config):
@@ -179,13 +181,9 @@ class GrpcExecutor(Executor):
 
     def _wait_for_steps_sent(self, timeout_s: float | None = None) -> None:
         """Adapters change between steps: a step sent under async scheduling may
-        still use the one about to go. Workers run steps in order, so the last
-        one sent is the one to wait for."""
-        for future in self._last_step_sent:
-            try:
-                future.exception(timeout=timeout_s)  # its error is the step's caller's
-            except grpc.FutureTimeoutError:
-                return
+        still use the one about to go. Its error is its caller's."""
+        if self._steps is not None:
+            self._steps.wait_for_sent(timeout_s)
 
     def add_lora(self, lora_id, lora_path):
         self._wait_for_steps_sent()
@@ -204,19 +202,20 @@ class GrpcExecutor(Executor):
                                    worker_pb2.DetermineNumKvBlocksRequest())
         return min(r.num_blocks for r in responses)
 
-    def init_kv_cache(self, num_blocks, next_step_id):
-        self._call_all("InitKvCache", worker_pb2.InitKvCacheRequest(
-            num_blocks=num_blocks, next_step_id=next_step_id))
+    def init_kv_cache(self, num_blocks):
+        self._call_all("InitKvCache", worker_pb2.InitKvCacheRequest(num_blocks=num_blocks))
 
     def execute_model(self, scheduler_output):
         return self.execute_model_async(scheduler_output).result()
 
     def execute_model_async(self, scheduler_output):
         request = convert.scheduler_output_to_proto(scheduler_output)
-        futures = self._last_step_sent = self._start_all("ExecuteModel", request)
-        rank = self._output_rank
+        if self._steps is None or self._steps.error is not None:
+            self._steps = StepStreams(self.stubs)  # at the first step, and after a failure
+        steps, rank = self._steps, self._output_rank
+        step = steps.send(request)
         return PendingStep(
-            lambda: convert.model_runner_output_from_proto(self._responses(futures)[rank]))
+            lambda: convert.model_runner_output_from_proto(steps.output(step)[rank]))
 
     def shutdown(self):
         # Not under a step still in flight (async scheduling leaves one when the
@@ -224,5 +223,7 @@ class GrpcExecutor(Executor):
         # process exits, the suspect for an engine core that once exited with
         # SIGSEGV after a cut drain.
         self._wait_for_steps_sent(_SHUTDOWN_STEP_WAIT_S)
+        if self._steps is not None:
+            self._steps.close()
         for channel in self.channels:
             channel.close()

@@ -161,7 +161,7 @@ class Scheduler(BeamScheduling):
                     output.requests_to_draft.append(request_id)
                 request.num_output_placeholders += 1
         output.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
-        if not output.is_empty:  # the engine core sends it: the workers count it too
+        if not output.is_empty:  # the engine core sends it
             self.num_steps += 1
         return output
 

@@ -5,6 +5,7 @@ import asyncio
 from typing import Awaitable, Callable
 
 from services.common import convert
+from services.common.errors import LLMServeError
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_order import StepOrder
@@ -36,7 +37,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def InitKvCache(self, request, context):
         await self.run(self.worker.init_kv_cache, request.num_blocks)
-        await self.step_order.reset(request.next_step_id)
+        await self.step_order.reset()
         if self.on_ready is not None:
             await self.on_ready()
         return worker_pb2.InitKvCacheResponse()
@@ -49,9 +50,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self.run(self.worker.remove_lora, request.lora_id)
         return worker_pb2.RemoveLoraResponse()
 
-    async def ExecuteModel(self, request, context):
-        # Converted while the step before it may still run.
-        scheduler_output = convert.scheduler_output_from_proto(request)
-        output = await self.step_order.execute(request.step_id, self.execute_model,
-                                               scheduler_output)
-        return convert.model_runner_output_to_proto(output)
+    async def ExecuteModelStream(self, request_iterator, context):
+        # Each step is handed over as it arrives, while the one before it may
+        # still run; outputs go back in the order the steps came.
+        steps: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._take_steps(request_iterator, steps))
+        try:
+            while (step := await steps.get()) is not None:
+                yield convert.model_runner_output_to_proto(await step)
+            await reader  # the error that ended the reading, if one did
+        except LLMServeError as e:
+            await context.abort(e.code, str(e))
+        finally:  # after an early end (a step failed, the call was cancelled) too
+            reader.cancel()
+            while not steps.empty():
+                if (step := steps.get_nowait()) is not None:
+                    step.cancel()  # not run, if it has not started
+
+    async def _take_steps(self, request_iterator, steps: asyncio.Queue) -> None:
+        try:
+            async for request in request_iterator:
+                steps.put_nowait(self.step_order.submit(
+                    request.step_id, self.execute_model,
+                    convert.scheduler_output_from_proto(request)))
+        finally:
+            steps.put_nowait(None)

@@ -53,8 +53,8 @@ class FakeExecutor(Executor):
     def determine_num_kv_blocks(self):
         return self.num_blocks
 
-    def init_kv_cache(self, num_blocks, next_step_id):
-        self.next_step_id = next_step_id
+    def init_kv_cache(self, num_blocks):
+        pass
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in so.finished_request_ids:

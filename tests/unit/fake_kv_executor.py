@@ -34,7 +34,7 @@ class FakeKVExecutor(FakeExecutor):
     def load_model(self, config):
         return LoadedModel(vocab_size=VOCAB_SIZE, dtype="float32", kv_block_bytes=1)
 
-    def init_kv_cache(self, num_blocks, next_step_id):
+    def init_kv_cache(self, num_blocks):
         self.contents = {b: [None] * self.block_size for b in range(num_blocks)}
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,6 +1,6 @@
 """Async scheduling: the engine core schedules and sends step N + 1 before step
 N's output is back (fake executor), and the worker runs steps in the order they
-were sent whatever order their calls arrive in."""
+came on its stream, on its main thread."""
 import asyncio
 import threading
 import time
@@ -102,25 +102,30 @@ def test_a_request_preempted_while_its_step_is_in_flight_can_still_finish():
     assert_all_free(core, 3)
 
 
-def test_the_worker_runs_steps_in_the_order_they_were_sent():
+def test_the_worker_runs_steps_in_the_order_they_came_and_refuses_stale_ones():
     async def main():
         order, ran = StepOrder(asyncio.to_thread), []
         threads = set()
+        release = threading.Event()
 
         def step(step_id):
             threads.add(threading.get_ident())
+            if step_id == 1:
+                assert release.wait(timeout=10)
             ran.append(step_id)
             return step_id
-        assert await asyncio.gather(*(order.execute(i, step, i) for i in (3, 2, 1))) == [3, 2, 1]
-        assert ran == [1, 2, 3]
-        late = asyncio.ensure_future(order.execute(6, step, 6))  # 4 and 5 never come
+        first = order.submit(1, step, 1)
+        later = [order.submit(i, step, i) for i in (2, 3, 4)]
+        later[1].cancel()  # its call was cut before it ran: it never does
         await asyncio.sleep(0.05)
-        assert not late.done()
-        await order.reset(7)  # the engine core set the KV cache up again
-        with pytest.raises(FailedPrecondition):
-            await late
-        await asyncio.gather(order.execute(8, step, 8), order.execute(7, step, 7))
-        assert ran == [1, 2, 3, 7, 8]
+        await order.reset()  # the engine core set the KV cache up again
+        release.set()
+        assert await first == 1
+        for stale in (later[0], later[2]):
+            with pytest.raises(FailedPrecondition, match="step [24] was sent before"):
+                await stale
+        assert await asyncio.gather(*(order.submit(i, step, i) for i in (5, 6, 7))) == [5, 6, 7]
+        assert ran == [1, 5, 6, 7]
         assert threading.get_ident() not in threads  # on the thread of `run`, not the loop's
 
     asyncio.run(main())
@@ -138,10 +143,9 @@ def test_the_worker_takes_a_step_that_arrived_while_the_one_before_ran_without_t
                 step_one_runs.set()
                 assert step_two_sent.wait(timeout=10)
             ran.append(step_id)
-        first = asyncio.ensure_future(order.execute(1, step, 1))
+        first = order.submit(1, step, 1)
         await asyncio.to_thread(step_one_runs.wait)
-        second = asyncio.ensure_future(order.execute(2, step, 2))
-        await asyncio.sleep(0)  # the task ran up to its wait: step 2 is registered
+        second = order.submit(2, step, 2)
         step_two_sent.set()
         deadline = time.monotonic() + 10
         while len(ran) < 2 and time.monotonic() < deadline:  # the loop's thread, held

@@ -170,7 +170,7 @@ def test_a_group_survives_a_worker_restart():
     for _ in range(5):
         core.step()
     core.executor.requests.clear()  # a fresh worker: no state, an empty cache
-    core.executor.init_kv_cache(core.executor.num_blocks, 0)
+    core.executor.init_kv_cache(core.executor.num_blocks)
     core.scheduler.requeue_all()
     assert run(core)["g"].beams == expected
     assert_all_free(core)

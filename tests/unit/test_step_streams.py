@@ -1,0 +1,147 @@
+"""The engine core's steps on one gRPC stream per worker (GrpcExecutor against a
+real WorkerServicer in this process, its worker a fake): outputs in the order
+sent, a failed step's status to its caller, a new stream after it, and a
+worker that goes away read as UNAVAILABLE (what recovery waits for)."""
+import asyncio
+import concurrent.futures
+import threading
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from services.common.errors import FailedPrecondition
+from services.common.pb import worker_pb2_grpc
+from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from services.engine_core.executor import GrpcExecutor
+from services.worker.servicer import WorkerServicer
+
+
+class FakeWorker:
+    """Emits each step's id as its token; fails the step numbered fail_at; waits
+    at `gate` before each step."""
+
+    def __init__(self):
+        self.ran: list[int] = []
+        self.fail_at = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self.loras: list[tuple[int, list[int]]] = []  # (id, the steps run before it)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.gate.wait(timeout=10)
+        step_id = scheduler_output.step_id
+        self.ran.append(step_id)
+        if step_id == self.fail_at:
+            raise FailedPrecondition(f"step {step_id} cannot run")
+        return ModelRunnerOutput(sampled_token_ids={"r": [step_id]})
+
+    def add_lora(self, lora_id: int, lora_path: str) -> None:
+        self.loras.append((lora_id, list(self.ran)))
+
+
+class CountingServicer(WorkerServicer):
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.streams = 0
+
+    async def ExecuteModelStream(self, request_iterator, context):
+        self.streams += 1
+        async for output in super().ExecuteModelStream(request_iterator, context):
+            yield output
+
+
+@contextmanager
+def served(worker: FakeWorker):
+    """The servicer on a free port, its event loop on a thread; yields
+    (servicer, address, stop), stop(grace_s) stopping the server early."""
+    servicer = CountingServicer(worker)
+    started: concurrent.futures.Future = concurrent.futures.Future()
+    grace: concurrent.futures.Future = concurrent.futures.Future()  # set: stop
+
+    async def main():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        started.set_result(port)
+        await server.stop(await asyncio.wrap_future(grace))
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+
+    def stop(grace_s=None):
+        if not grace.done():
+            grace.set_result(grace_s)
+        thread.join(timeout=10)
+    try:
+        yield servicer, f"127.0.0.1:{started.result(timeout=10)}", stop
+    finally:
+        stop()
+
+
+def step(step_id: int) -> SchedulerOutput:
+    return SchedulerOutput(step_id=step_id, num_scheduled_tokens={"r": 1})
+
+
+def tokens(pending) -> list[int]:
+    return pending.result().sampled_token_ids["r"]
+
+
+@pytest.fixture
+def worker():
+    return FakeWorker()
+
+
+def test_steps_in_flight_come_back_in_order_on_one_stream(worker):
+    with served(worker) as (servicer, address, _):
+        executor = GrpcExecutor([address])
+        worker.gate.clear()  # all three sent before the first runs
+        pending = [executor.execute_model_async(step(i)) for i in (1, 2, 3)]
+        worker.gate.set()
+        assert [tokens(p) for p in pending] == [[1], [2], [3]]
+        assert tokens(executor.execute_model_async(step(4))) == [4]
+        assert worker.ran == [1, 2, 3, 4]
+        assert servicer.streams == 1
+        executor.shutdown()
+
+
+def test_a_failed_step_carries_its_status_and_the_next_step_opens_a_new_stream(worker):
+    worker.fail_at = 2
+    with served(worker) as (servicer, address, _):
+        executor = GrpcExecutor([address])
+        worker.gate.clear()
+        pending = [executor.execute_model_async(step(i)) for i in (1, 2, 3)]
+        worker.gate.set()
+        assert tokens(pending[0]) == [1]
+        for failed in pending[1:]:  # the step, and the one sent after it
+            with pytest.raises(grpc.RpcError) as error:
+                failed.result()
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "step 2 cannot run" in error.value.details()
+        assert tokens(executor.execute_model_async(step(4))) == [4]
+        assert servicer.streams == 2
+        executor.shutdown()
+
+
+def test_an_adapter_changes_after_the_step_sent_and_leaves_its_output(worker):
+    with served(worker) as (_, address, _):
+        executor = GrpcExecutor([address])
+        worker.gate.clear()
+        pending = executor.execute_model_async(step(1))
+        threading.Timer(0.2, worker.gate.set).start()
+        executor.add_lora(7, "/adapters/seven")  # waits for step 1
+        assert worker.loras == [(7, [1])]
+        assert tokens(pending) == [1]
+        executor.shutdown()
+
+
+def test_a_worker_that_stops_under_an_open_stream_reads_as_unavailable(worker):
+    with served(worker) as (_, address, stop):
+        executor = GrpcExecutor([address])
+        assert tokens(executor.execute_model_async(step(1))) == [1]
+        stop(0)
+        with pytest.raises(grpc.RpcError) as error:
+            executor.execute_model_async(step(2)).result()
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        executor.shutdown()
