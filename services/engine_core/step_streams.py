@@ -45,7 +45,7 @@ class _WorkerStream:
         self._requests.put(_END)
 
     def cancel(self) -> None:
-        """Cuts the call: the worker's steps not started yet do not run."""
+        """Cuts the call: the worker drops the steps it has not begun."""
         self._responses.cancel()
 
 
