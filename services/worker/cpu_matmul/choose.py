@@ -35,7 +35,10 @@ from services.worker.cpu_matmul.strategy import FLinear, MatmulStrategy
 
 Make = Callable[[torch.Tensor], MatmulStrategy]
 
+# fp32_path()'s names of the packed paths, which prepare_cpu_linears also logs.
 PACKED_GEMM_PATH = "our packed GEMM"
+MKL_PACKED_PATH = "MKL prepacked"
+ONEDNN_PACKED_PATH = "oneDNN prepacked"
 
 
 def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
@@ -51,7 +54,7 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
     packed_weights_on_huge_pages([_many(layer.cpu_weights) for layer in layers])
     # The name says what was built: with_gemv decides per layer.
     on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
-    if path in ("oneDNN prepacked", "MKL prepacked", PACKED_GEMM_PATH) and any(on_gemv):
+    if path in (ONEDNN_PACKED_PATH, MKL_PACKED_PATH, PACKED_GEMM_PATH) and any(on_gemv):
         path += f", our GEMV for <= {layers[on_gemv.index(True)].cpu_weights.max_rows} rows"
         if not all(on_gemv):
             path += " where the input width is a multiple of 16"
@@ -62,7 +65,7 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
     if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
         return _amx_or_onednn, f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
-        return onednn_weights, "oneDNN prepacked"
+        return onednn_weights, ONEDNN_PACKED_PATH
     if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
         name = str(weight_dtype).removeprefix("torch.")
         return (lambda weight: sixteen_bit_weights(weight, weight_dtype),
@@ -95,7 +98,7 @@ def weight_dtype_max_rows() -> int:
     path = fp32_path()
     if path == PACKED_GEMM_PATH:
         return gemv_rows(SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
-    if path == "MKL prepacked":
+    if path == MKL_PACKED_PATH:
         return gemv_rows(SIXTEEN_BIT_GEMV_OVER_MKL_ROWS)
     return gemv_rows(GEMV_OVER_FP32_ROWS)
 
@@ -108,11 +111,11 @@ def sixteen_bit_weights(weight: torch.Tensor, weight_dtype: torch.dtype) -> Matm
 def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
     """The fastest x W^T for an fp32 weight on this CPU."""
     path = fp32_path()
-    if path == "MKL prepacked":
+    if path == MKL_PACKED_PATH:
         return with_gemv(weight, gemv_rows(GEMV_OVER_MKL_ROWS), MKLPackedWeights(weight))
     if path == PACKED_GEMM_PATH:
         return with_gemv(weight, gemv_rows(GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
-    if path == "oneDNN prepacked":
+    if path == ONEDNN_PACKED_PATH:
         return onednn_weights(weight)
     return FLinear(weight)
 
@@ -120,9 +123,9 @@ def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
 def fp32_path() -> str:
     """Which of fp32_weights' paths this CPU takes."""
     if cpu_is_intel() and mkl_packing_available():
-        return "MKL prepacked"
+        return MKL_PACKED_PATH
     if not cpu_is_intel() and packed_gemm_available():
         return PACKED_GEMM_PATH
     if not cpu_is_intel() and torch.backends.mkldnn.is_available():
-        return "oneDNN prepacked"
+        return ONEDNN_PACKED_PATH
     return "F.linear"
