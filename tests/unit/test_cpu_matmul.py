@@ -8,7 +8,8 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_matmul import choose, matmul
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, pack_amx_weight
-from services.worker.cpu_matmul.choose import (PACKED_GEMM_PATH, fp32_path, sixteen_bit_weights,
+from services.worker.cpu_matmul.choose import (MKL_PACKED_PATH, ONEDNN_PACKED_PATH,
+                                               PACKED_GEMM_PATH, fp32_path, sixteen_bit_weights,
                                                weight_dtype_max_rows)
 from services.worker.cpu_matmul import gemm as gemm_module
 from services.worker.cpu_matmul.gemm import GEMV_OVER_PACKED_GEMM_ROWS, PackedGemmWeights
@@ -264,8 +265,8 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
     weights, gemv_limit = model.a.cpu_weights, 0
     if isinstance(weights, GemvForFewRows):  # where the kernels are built
         gemv_limit = gemv_rows({PACKED_GEMM_PATH: GEMV_OVER_PACKED_GEMM_ROWS,
-                                "MKL prepacked": GEMV_OVER_MKL_ROWS,
-                                "oneDNN prepacked": GEMV_OVER_ONEDNN_ROWS}[fp32_path()])
+                                MKL_PACKED_PATH: GEMV_OVER_MKL_ROWS,
+                                ONEDNN_PACKED_PATH: GEMV_OVER_ONEDNN_ROWS}[fp32_path()])
         assert weights.max_rows == gemv_limit
         assert weights.gemv_weight.data_ptr() == model.a.weight.data_ptr()  # no copy
         weights = weights.many
@@ -301,8 +302,8 @@ def test_fp32_takes_mkl_on_intel_our_gemm_with_avx512_and_onednn_elsewhere(monke
     expected = model(x)
     assert prepare_cpu_linears(model, torch.float32, None).startswith(want)
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
-    many = {PACKED_GEMM_PATH: PackedGemmWeights, "MKL prepacked": MKLPackedWeights,
-            "oneDNN prepacked": OneDNNWeights}.get(want)
+    many = {PACKED_GEMM_PATH: PackedGemmWeights, MKL_PACKED_PATH: MKLPackedWeights,
+            ONEDNN_PACKED_PATH: OneDNNWeights}.get(want)
     if many is not None and cpu_ops_available():
         assert isinstance(model.a.cpu_weights, GemvForFewRows)
         assert isinstance(model.a.cpu_weights.many, many)
@@ -313,7 +314,7 @@ def test_the_path_name_says_which_layers_our_gemv_skips():
     the packed product for every row count, and the path's name says so."""
     model = nn.Sequential(nn.Linear(64, 40, bias=False), nn.Linear(40, 64, bias=False))
     path = prepare_cpu_linears(model, torch.float32, None)
-    if path.startswith(("oneDNN prepacked", "MKL prepacked", PACKED_GEMM_PATH)):
+    if path.startswith((ONEDNN_PACKED_PATH, MKL_PACKED_PATH, PACKED_GEMM_PATH)):
         first, second = model[0].cpu_weights, model[1].cpu_weights
         assert isinstance(first, GemvForFewRows)
         assert path == (f"{fp32_path()}, our GEMV for <= {first.max_rows} rows "
