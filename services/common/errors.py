@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -104,7 +104,11 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, parse, self.on_error),
                 None, handler.response_serializer)
-        return handler
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_bidi(handler.stream_stream, parse, self.on_error),
+                None, handler.response_serializer)
+        return handler  # stream-unary: no service has one
 
 
 def _parse(parse: Callable[[bytes], Any], raw: bytes) -> Any:
@@ -129,11 +133,35 @@ def _wrap_unary(behavior, parse: Callable[[bytes], Any],
 def _wrap_stream(behavior, parse: Callable[[bytes], Any],
                  on_error: Callable[[grpc.StatusCode], None]):
     async def wrapper(raw: bytes, context: grpc.aio.ServicerContext):
-        try:
-            async for response in behavior(_parse(parse, raw), context):
-                yield response
-        except LLMServeError as e:
-            on_error(e.code)
-            await context.abort(e.code, str(e))
+        async for response in _responses_or_abort(
+                lambda: behavior(_parse(parse, raw), context), context, on_error):
+            yield response
 
     return wrapper
+
+
+def _wrap_bidi(behavior, parse: Callable[[bytes], Any],
+               on_error: Callable[[grpc.StatusCode], None]):
+    """Each request is parsed as the handler reads it: a bad one ends the call
+    with INVALID_ARGUMENT, raised where the handler reads."""
+    async def wrapper(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+        async def requests():
+            async for raw in raw_requests:
+                yield _parse(parse, raw)
+
+        async for response in _responses_or_abort(
+                lambda: behavior(requests(), context), context, on_error):
+            yield response
+
+    return wrapper
+
+
+async def _responses_or_abort(responses: Callable[[], AsyncIterator[Any]],
+                              context: grpc.aio.ServicerContext,
+                              on_error: Callable[[grpc.StatusCode], None]):
+    try:
+        async for response in responses():
+            yield response
+    except LLMServeError as e:
+        on_error(e.code)
+        await context.abort(e.code, str(e))

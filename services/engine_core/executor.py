@@ -133,7 +133,7 @@ class GrpcExecutor(Executor):
                  rpc_timeout_s: float = 600.0):
         self.channels = [sync_channel(a, tls) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
-        self.rpc_timeout_s = rpc_timeout_s  # for the calls other than steps
+        self.rpc_timeout_s = rpc_timeout_s  # a call's deadline, and a step's output's
         self._steps: StepStreams | None = None
         # The rank whose step output counts: the last stage's first (ranks are
         # stage-major), set by load_model.
@@ -211,7 +211,8 @@ class GrpcExecutor(Executor):
     def execute_model_async(self, scheduler_output):
         request = convert.scheduler_output_to_proto(scheduler_output)
         if self._steps is None or self._steps.error is not None:
-            self._steps = StepStreams(self.stubs)  # at the first step, and after a failure
+            # At the first step, and after a failure.
+            self._steps = StepStreams(self.stubs, self.rpc_timeout_s)
         steps, rank = self._steps, self._output_rank
         step = steps.send(request)
         return PendingStep(

@@ -6,6 +6,8 @@ import threading
 
 import grpc
 
+from services.engine_core.step_deadline import StepDeadline
+
 _END = object()  # closes a stream's requests
 
 
@@ -18,6 +20,24 @@ class StreamEnded(grpc.RpcError):
 
     def details(self) -> str:
         return "the worker's step stream ended before a step's output"
+
+    def __str__(self) -> str:
+        return self.details()
+
+
+class StepTimedOut(grpc.RpcError):
+    """No output of a step from some worker within the deadline: a worker hangs
+    (DEADLINE_EXCEEDED, as a unary call's deadline gives)."""
+
+    def __init__(self, step: int, timeout_s: float):
+        self.step, self.timeout_s = step, timeout_s
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return (f"no output of step {self.step} from the workers in {self.timeout_s:g} s: "
+                "a worker hangs")
 
     def __str__(self) -> str:
         return self.details()
@@ -53,15 +73,19 @@ class StepStreams:
     """A stream per worker, opened together and failing together. Steps are
     numbered from 1 as sent; output(n) reads every worker's outputs in order up
     to step n's. When one worker's stream fails, every step not read yet fails
-    with its error, the others are cut, and the executor opens new ones."""
+    with its error, the others are cut, and the executor opens new ones. A step
+    whose outputs have not all come step_timeout_s after its reading began fails
+    the same way, with StepTimedOut."""
 
-    def __init__(self, stubs: list):
+    def __init__(self, stubs: list, step_timeout_s: float):
         self._streams = [_WorkerStream(stub) for stub in stubs]
         self.sent = 0
         self._read = 0
         self._outputs: dict[int, list] = {}  # read, not yet taken
         self.error: grpc.RpcError | None = None
         self._lock = threading.Lock()  # output() and a shutdown's wait_for_sent()
+        self._deadline = StepDeadline(step_timeout_s, lambda: self.cancel(
+            StepTimedOut(self._read + 1, step_timeout_s)))
 
     def send(self, request) -> int:
         """Sends a step to every worker; its number."""
@@ -88,32 +112,39 @@ class StepStreams:
         reader.join(timeout_s)
 
     def close(self) -> None:
+        self._deadline.stop()
         for stream in self._streams:
             stream.close()
 
     def _read_through(self, step: int) -> None:
         with self._lock:
             while self._read < step and self.error is None:
-                outputs, errors = [], []
-                for stream in self._streams:
-                    try:
-                        outputs.append(stream.receive())
-                    except grpc.RpcError as e:
-                        errors.append(e)
+                self._deadline.begin()
+                outputs, errors = self._receive_all()
+                self._deadline.end()
                 if errors:
-                    self._fail(errors)
+                    # Streams the deadline cut fail with its error, not CANCELLED.
+                    self.cancel(self.error or lost_worker_first(errors))
                     return
                 self._read += 1
                 self._outputs[self._read] = outputs
 
+    def _receive_all(self) -> tuple[list, list[grpc.RpcError]]:
+        """The next output of every stream, and the errors of those that failed."""
+        outputs, errors = [], []
+        for stream in self._streams:
+            try:
+                outputs.append(stream.receive())
+            except grpc.RpcError as e:
+                errors.append(e)
+        return outputs, errors
+
     def cancel(self, error: grpc.RpcError) -> None:
         """Cuts every stream: the steps not read yet fail with `error`."""
         self.error = error
+        self._deadline.stop()
         for stream in self._streams:
             stream.cancel()
-
-    def _fail(self, errors: list[grpc.RpcError]) -> None:
-        self.cancel(lost_worker_first(errors))
 
 
 def lost_worker_first(errors: list[grpc.RpcError]) -> grpc.RpcError:

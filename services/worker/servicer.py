@@ -5,7 +5,6 @@ import asyncio
 from typing import Awaitable, Callable
 
 from services.common import convert
-from services.common.errors import LLMServeError
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_order import StepOrder
@@ -52,15 +51,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def ExecuteModelStream(self, request_iterator, context):
         # Each step is handed over as it arrives, while the one before it may
-        # still run; outputs go back in the order the steps came.
+        # still run; outputs go back in the order the steps came. A step's
+        # LLMServeError ends the call with its status (ErrorMappingInterceptor).
         steps: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
         reader = asyncio.ensure_future(self._take_steps(request_iterator, steps))
         try:
             while (step := await steps.get()) is not None:
                 yield convert.model_runner_output_to_proto(await step)
             await reader  # the error that ended the reading, if one did
-        except LLMServeError as e:
-            await context.abort(e.code, str(e))
         finally:  # after an early end (a step failed, the call was cancelled) too
             reader.cancel()
             while not steps.empty():

@@ -1,7 +1,9 @@
 """The engine core's steps on one gRPC stream per worker (GrpcExecutor against a
-real WorkerServicer in this process, its worker a fake): outputs in the order
-sent, a failed step's status to its caller, a new stream after it, and a
-worker that goes away read as UNAVAILABLE (what recovery waits for)."""
+real WorkerServicer in this process, behind the services' error interceptor, its
+worker a fake): outputs in the order sent, a failed step's status to its caller,
+a new stream after it, a worker that goes away read as UNAVAILABLE (what
+recovery waits for), one that hangs as DEADLINE_EXCEEDED, and a step that is
+not a valid message as INVALID_ARGUMENT."""
 import asyncio
 import concurrent.futures
 import threading
@@ -10,7 +12,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import ErrorMappingInterceptor, FailedPrecondition
 from services.common.pb import worker_pb2_grpc
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.engine_core.executor import GrpcExecutor
@@ -60,7 +62,7 @@ def served(worker: FakeWorker):
     grace: concurrent.futures.Future = concurrent.futures.Future()  # set: stop
 
     async def main():
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -145,3 +147,29 @@ def test_a_worker_that_stops_under_an_open_stream_reads_as_unavailable(worker):
             executor.execute_model_async(step(2)).result()
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
         executor.shutdown()
+
+
+def test_a_step_the_worker_does_not_answer_in_time_fails_and_the_next_gets_a_new_stream(worker):
+    with served(worker) as (servicer, address, _):
+        executor = GrpcExecutor([address], rpc_timeout_s=0.5)
+        worker.gate.clear()  # the worker hangs in step 1
+        with pytest.raises(grpc.RpcError) as error:
+            executor.execute_model_async(step(1)).result()
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no output of step 1 from the workers in 0.5 s" in error.value.details()
+        worker.gate.set()
+        assert tokens(executor.execute_model_async(step(2))) == [2]
+        assert servicer.streams == 2
+        executor.shutdown()
+
+
+def test_a_step_that_is_not_a_valid_message_is_invalid_argument(worker):
+    with served(worker) as (_, address, _):
+        with grpc.insecure_channel(address) as channel:
+            call = channel.stream_stream("/llmserve.worker.v1.Worker/ExecuteModelStream")
+            with pytest.raises(grpc.RpcError) as error:
+                list(call(iter([b"\xff\xff"]), timeout=10))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request: is not a valid message" in error.value.details()
+        assert "SchedulerOutput" in error.value.details()
+        assert worker.ran == []
