@@ -1,0 +1,110 @@
+"""ErrorMappingInterceptor over a real grpc.aio server, for each kind of handler
+the services have (unary, server-streaming, bidirectional): an LLMServeError
+ends the call with its status and message and is counted; bytes that are not a
+valid request are INVALID_ARGUMENT; the calls beside a failed one are served."""
+import asyncio
+import concurrent.futures
+import threading
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from services.common.errors import ErrorMappingInterceptor, NotFound, ResourceExhausted
+from services.common.pb import worker_pb2
+
+Request = worker_pb2.AddLoraRequest  # any message with a number and a string
+
+
+async def unary(request, context):
+    if request.lora_id == 0:
+        raise NotFound("adapter 0 is not loaded")
+    return request
+
+
+async def server_stream(request, context):
+    for _ in range(2):
+        yield request
+    raise ResourceExhausted("2 responses are the most this stream gives")
+
+
+async def bidi(requests, context):
+    async for request in requests:
+        if request.lora_id == 13:
+            raise ResourceExhausted("lora_id 13 is one too many")
+        yield request
+
+
+@contextmanager
+def served():
+    """(address, the status codes on_error saw), the server on a thread."""
+    codes: list[grpc.StatusCode] = []
+    started: concurrent.futures.Future = concurrent.futures.Future()
+    stop = threading.Event()
+    serialize, parse = Request.SerializeToString, Request.FromString
+
+    async def main():
+        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(codes.append)])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+            "U": grpc.unary_unary_rpc_method_handler(unary, parse, serialize),
+            "S": grpc.unary_stream_rpc_method_handler(server_stream, parse, serialize),
+            "B": grpc.stream_stream_rpc_method_handler(bidi, parse, serialize)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        started.set_result(port)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await server.stop(0)
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{started.result(timeout=10)}", codes
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def status_of(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        call()
+    return error.value
+
+
+def test_each_kind_of_handler_ends_with_its_errors_status_and_counts_it():
+    with served() as (address, codes), grpc.insecure_channel(address) as channel:
+        raw = {name: kind(f"/t.T/{name}", Request.SerializeToString, Request.FromString)
+               for name, kind in (("U", channel.unary_unary), ("S", channel.unary_stream),
+                                  ("B", channel.stream_stream))}
+        assert raw["U"](Request(lora_id=1), timeout=10).lora_id == 1
+        e = status_of(lambda: raw["U"](Request(lora_id=0), timeout=10))
+        assert (e.code(), e.details()) == (grpc.StatusCode.NOT_FOUND,
+                                           "adapter 0 is not loaded")
+        streamed = []
+        e = status_of(lambda: streamed.extend(raw["S"](Request(lora_id=5), timeout=10)))
+        assert [r.lora_id for r in streamed] == [5, 5]  # what came before the error
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        echoed = []
+        e = status_of(lambda: echoed.extend(raw["B"](
+            iter([Request(lora_id=i) for i in (1, 2, 13, 14)]), timeout=10)))
+        assert [r.lora_id for r in echoed] == [1, 2]
+        assert (e.code(), e.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                           "lora_id 13 is one too many")
+        assert codes == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+
+@pytest.mark.parametrize("kind", ["unary_unary", "unary_stream", "stream_stream"])
+def test_bytes_that_are_not_a_request_are_invalid_argument(kind):
+    bad = b"\xff\xff"  # a field tag with no end: not any message
+    with served() as (address, codes), grpc.insecure_channel(address) as channel:
+        name = {"unary_unary": "U", "unary_stream": "S", "stream_stream": "B"}[kind]
+        call = getattr(channel, kind)(f"/t.T/{name}")
+        request = iter([bad]) if kind == "stream_stream" else bad
+        e = status_of(lambda: list(call(request, timeout=10)) if kind != "unary_unary"
+                      else call(request, timeout=10))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.details().startswith("request: is not a valid message")
+        assert codes == [grpc.StatusCode.INVALID_ARGUMENT]
+        # The server goes on serving.
+        assert channel.unary_unary("/t.T/U", Request.SerializeToString, Request.FromString)(
+            Request(lora_id=3), timeout=10).lora_id == 3
