@@ -2,9 +2,6 @@
 the services have (unary, server-streaming, bidirectional): an LLMServeError
 ends the call with its status and message and is counted; bytes that are not a
 valid request are INVALID_ARGUMENT; the calls beside a failed one are served."""
-import asyncio
-import concurrent.futures
-import threading
 from contextlib import contextmanager
 
 import grpc
@@ -12,6 +9,7 @@ import pytest
 
 from services.common.errors import ErrorMappingInterceptor, NotFound, ResourceExhausted
 from services.common.pb import worker_pb2
+from tests.unit.aio_server_thread import aio_server_thread
 
 Request = worker_pb2.AddLoraRequest  # any message with a number and a string
 
@@ -37,31 +35,16 @@ async def bidi(requests, context):
 
 @contextmanager
 def served():
-    """(address, the status codes on_error saw), the server on a thread."""
+    """(address, the status codes on_error saw)."""
     codes: list[grpc.StatusCode] = []
-    started: concurrent.futures.Future = concurrent.futures.Future()
-    stop = threading.Event()
     serialize, parse = Request.SerializeToString, Request.FromString
-
-    async def main():
-        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(codes.append)])
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
-            "U": grpc.unary_unary_rpc_method_handler(unary, parse, serialize),
-            "S": grpc.unary_stream_rpc_method_handler(server_stream, parse, serialize),
-            "B": grpc.stream_stream_rpc_method_handler(bidi, parse, serialize)})])
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        started.set_result(port)
-        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
-        await server.stop(0)
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{started.result(timeout=10)}", codes
-    finally:
-        stop.set()
-        thread.join(timeout=10)
+    handlers = grpc.method_handlers_generic_handler("t.T", {
+        "U": grpc.unary_unary_rpc_method_handler(unary, parse, serialize),
+        "S": grpc.unary_stream_rpc_method_handler(server_stream, parse, serialize),
+        "B": grpc.stream_stream_rpc_method_handler(bidi, parse, serialize)})
+    with aio_server_thread(lambda server: server.add_generic_rpc_handlers([handlers]),
+                           [ErrorMappingInterceptor(codes.append)]) as (address, _):
+        yield address, codes
 
 
 def status_of(call) -> grpc.RpcError:

@@ -4,8 +4,6 @@ worker a fake): outputs in the order sent, a failed step's status to its caller,
 a new stream after it, a worker that goes away read as UNAVAILABLE (what
 recovery waits for), one that hangs as DEADLINE_EXCEEDED, and a step that is
 not a valid message as INVALID_ARGUMENT."""
-import asyncio
-import concurrent.futures
 import threading
 from contextlib import contextmanager
 
@@ -17,6 +15,7 @@ from services.common.pb import worker_pb2_grpc
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.engine_core.executor import GrpcExecutor
 from services.worker.servicer import WorkerServicer
+from tests.unit.aio_server_thread import aio_server_thread
 
 
 class FakeWorker:
@@ -55,31 +54,12 @@ class CountingServicer(WorkerServicer):
 
 @contextmanager
 def served(worker: FakeWorker):
-    """The servicer on a free port, its event loop on a thread; yields
-    (servicer, address, stop), stop(grace_s) stopping the server early."""
+    """The servicer behind the services' interceptor; yields (servicer, address,
+    stop), stop(grace_s) stopping the server early."""
     servicer = CountingServicer(worker)
-    started: concurrent.futures.Future = concurrent.futures.Future()
-    grace: concurrent.futures.Future = concurrent.futures.Future()  # set: stop
-
-    async def main():
-        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
-        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        started.set_result(port)
-        await server.stop(await asyncio.wrap_future(grace))
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-
-    def stop(grace_s=None):
-        if not grace.done():
-            grace.set_result(grace_s)
-        thread.join(timeout=10)
-    try:
-        yield servicer, f"127.0.0.1:{started.result(timeout=10)}", stop
-    finally:
-        stop()
+    with aio_server_thread(lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(
+            servicer, server), [ErrorMappingInterceptor()]) as (address, stop):
+        yield servicer, address, stop
 
 
 def step(step_id: int) -> SchedulerOutput:
