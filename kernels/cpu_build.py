@@ -18,17 +18,23 @@ import torch
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-# -march=native: the host's SIMD (AVX-512 or AVX2), with 512-bit vectors where it
-# has them (GCC prefers 256 on Intel by default). -fno-trapping-math and
-# -fno-math-errno let floor, conversions and sqrt vectorize; unlike -ffast-math
-# they keep the order of every sum. -fopenmp compiles at::parallel_for's OpenMP
-# path in; libgomp.so.1 then resolves to the copy torch has loaded (one runtime).
-_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math",
+# The CPU the kernels are built for, as GCC's -march: this host's by default.
+# LLMSERVE_KERNELS_MARCH=x86-64-v3 builds the AVX2 code on an AVX-512 host, which
+# the tests do to run the AVX2 paths such a host would never take, and which an
+# image for a fleet of mixed CPUs can do to run on all of them.
+_MARCH = os.environ.get("LLMSERVE_KERNELS_MARCH", "native")
+# 512-bit vectors where the target has them (GCC prefers 256 on Intel by default).
+# -fno-trapping-math and -fno-math-errno let floor, conversions and sqrt vectorize;
+# unlike -ffast-math they keep the order of every sum. -fopenmp compiles
+# at::parallel_for's OpenMP path in; libgomp.so.1 then resolves to the copy torch
+# has loaded (one runtime).
+_CFLAGS = ["-O3", f"-march={_MARCH}", "-mprefer-vector-width=512", "-fno-trapping-math",
            "-fno-math-errno", "-fopenmp"]
-# One build per checkout: torch keys its cache by the extension's name, and its
-# ninja file holds the sources' absolute paths, so two checkouts sharing a name
-# rebuild everything (over two minutes on two cores) each time the other ran.
-_EXTENSION_NAME = "llmserve_cpu_ops_" + hashlib.sha1(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+# One build per checkout and target: torch keys its cache by the extension's name,
+# and its ninja file holds the sources' absolute paths, so two checkouts sharing a
+# name rebuild everything (over two minutes on two cores) each time the other ran.
+_BUILD_KEY = str(_CSRC.resolve()) + ("" if _MARCH == "native" else f" -march={_MARCH}")
+_EXTENSION_NAME = "llmserve_cpu_ops_" + hashlib.sha1(_BUILD_KEY.encode()).hexdigest()[:8]
 
 
 @functools.cache
@@ -51,6 +57,13 @@ def cpu_ops_available() -> bool:
     except Exception as e:  # no compiler, headers or ninja: fall back, loudly
         logger.warning("CPU kernels unavailable (%s); using the torch reference ops", e)
         return False
+
+
+@functools.cache
+def kernels_built_for_avx512() -> bool:
+    """Whether the kernels here were built for AVX-512 (32 vector registers, which
+    some of them size their work by); False where they were not built at all."""
+    return cpu_ops_available() and bool(torch.ops.llmserve.built_for_avx512())
 
 
 def build_directory() -> Path:

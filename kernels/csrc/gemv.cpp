@@ -20,28 +20,38 @@ using llmserve::vf16;
 
 constexpr int kMaxRows = 8;
 
+// Independent sums per row along K: two vf16 with AVX-512 (two chains of
+// multiply-adds); one with AVX2, where a vf16's two halves are already two.
+constexpr int kSums = llmserve::kRegistersPerVf16 == 1 ? 2 : 1;
+// Rows one pass over the weights serves: their sums and a step's weights within
+// the vector registers (8 x 2 + 2 of AVX-512's 32; 6 x 2 + 2 of AVX2's 16).
+constexpr int kRowsPerPass = llmserve::kVectorRegisters == 32 ? 8 : 6;
+
 // out[m][n] for every row m of x and one weight row n, walking the weight row
-// once, front to back (one sequential stream for the prefetchers), with two
-// independent sums along K so the multiply-adds pipeline. Two, not four: four
-// streamed the weights measurably slower at one and two rows (bench/NOTES.md,
-// "GEMV: two sums"); the loads, not the adds, set the pace here.
+// once, front to back (one sequential stream for the prefetchers), with kSums
+// independent sums along K so the multiply-adds pipeline. Two, not four, with
+// AVX-512: four streamed the weights measurably slower at one and two rows
+// (bench/NOTES.md, "GEMV: two sums"); the loads, not the adds, set the pace.
 template <typename w_t, int M>
 inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N) {
-  vf16 acc[M][2] = {};
+  constexpr int S = kSums;
+  vf16 acc[M][S] = {};
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const vf16 w0 = load16(wrow + k), w1 = load16(wrow + k + 16);
-    for (int m = 0; m < M; ++m) {
-      const float* xm = x + m * K + k;
-      acc[m][0] += load16(xm) * w0;
-      acc[m][1] += load16(xm + 16) * w1;
-    }
+  for (; k + 16 * S <= K; k += 16 * S) {
+    vf16 w[S];
+    for (int s = 0; s < S; ++s) w[s] = load16(wrow + k + 16 * s);
+    for (int m = 0; m < M; ++m)
+      for (int s = 0; s < S; ++s) acc[m][s] += load16(x + m * K + k + 16 * s) * w[s];
   }
   for (; k < K; k += 16) {
     const vf16 w0 = load16(wrow + k);
     for (int m = 0; m < M; ++m) acc[m][0] += load16(x + m * K + k) * w0;
   }
-  for (int m = 0; m < M; ++m) out[m * N] = llmserve::sum16(acc[m][0] + acc[m][1]);
+  for (int m = 0; m < M; ++m) {
+    vf16 sum = acc[m][0];
+    for (int s = 1; s < S; ++s) sum += acc[m][s];
+    out[m * N] = llmserve::sum16(sum);
+  }
 }
 
 template <typename w_t, int M>
@@ -56,24 +66,21 @@ void gemv_impl(const float* x, const w_t* w, int64_t N, int64_t K, float* out) {
 template <typename w_t>
 void gemv_rows(const float* x, int64_t M, const w_t* w, int64_t N, int64_t K, float* out) {
   switch (M) {
+    case 0: return;
     case 1: return gemv_impl<w_t, 1>(x, w, N, K, out);
     case 2: return gemv_impl<w_t, 2>(x, w, N, K, out);
     case 3: return gemv_impl<w_t, 3>(x, w, N, K, out);
     case 4: return gemv_impl<w_t, 4>(x, w, N, K, out);
-#if defined(__AVX512F__)
-    // 32 vector registers hold two sums for each of 8 rows: one pass over the
-    // weights, where four rows at a time read them twice.
     case 5: return gemv_impl<w_t, 5>(x, w, N, K, out);
     case 6: return gemv_impl<w_t, 6>(x, w, N, K, out);
-    case 7: return gemv_impl<w_t, 7>(x, w, N, K, out);
-    case 8: return gemv_impl<w_t, 8>(x, w, N, K, out);
-#endif
-    default:  // up to kMaxRows, four rows at a time
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
-        gemv_rows<w_t>(x + m * K, rows, w, N, K, out + m * N);
-      }
   }
+  if constexpr (kRowsPerPass == 8) {
+    if (M == 7) return gemv_impl<w_t, 7>(x, w, N, K, out);
+    return gemv_impl<w_t, 8>(x, w, N, K, out);
+  }
+  // Up to kMaxRows with fewer rows per pass: the weights twice.
+  gemv_rows<w_t>(x, kRowsPerPass, w, N, K, out);
+  gemv_rows<w_t>(x + kRowsPerPass * K, M - kRowsPerPass, w, N, K, out + kRowsPerPass * N);
 }
 
 }  // namespace

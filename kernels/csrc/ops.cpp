@@ -5,6 +5,21 @@
 
 #include "ops.h"
 
+namespace {
+
+// Whether these kernels were built for AVX-512 (the host's -march=native, or
+// LLMSERVE_KERNELS_MARCH): the worker sizes our GEMV's share of rows by what
+// the kernels were built for, not by what the CPU could run.
+bool built_for_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
 TORCH_LIBRARY(llmserve, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
@@ -24,6 +39,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("gemm_silu_and_mul(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("stolen_items(int items, int stall_us) -> Tensor");
   m.def("amx_bf16_available() -> bool");
+  m.def("built_for_avx512() -> bool");
   m.def("llama_decode_layers(Tensor x, Tensor[] weights, Tensor[] packed, Tensor(a!)[] caches, "
         "Tensor positions, Tensor cos_sin, Tensor slot_mapping, Tensor block_table, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, int gemv_rows, "
@@ -57,5 +73,6 @@ TORCH_LIBRARY_IMPL(llmserve, MkldnnCPU, m) {
 // No tensor arguments to dispatch on: one kernel for every backend.
 TORCH_LIBRARY_IMPL(llmserve, CompositeExplicitAutograd, m) {
   m.impl("amx_bf16_available", &amx_bf16_available);
+  m.impl("built_for_avx512", &built_for_avx512);
   m.impl("stolen_items", &stolen_items);
 }

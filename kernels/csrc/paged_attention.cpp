@@ -58,10 +58,12 @@ using llmserve::vf16;
 
 // The query heads of one KV head that one pass over its blocks serves: each
 // K/V vector loaded is used by all of them. Their value sums (G x D/16 vectors)
-// must stay within the 32 vector registers.
+// must stay within half the vector registers: four heads of 64 with AVX-512's 32,
+// one with AVX2's 16 (where a vf16 takes two).
 template <int D>
 constexpr int heads_per_pass() {
-  return D <= 64 ? 4 : 2;
+  constexpr int fit = llmserve::kVectorRegisters / 2 / (D / 16 * llmserve::kRegistersPerVf16);
+  return fit >= 4 ? 4 : (fit >= 2 ? 2 : 1);
 }
 
 // Scores of G query heads (scaled, fp32, [G][D]) against a block of keys
@@ -113,8 +115,7 @@ inline void block_values(const float* p, int64_t stride, int64_t valid, const sc
 inline float softmax(float* s, int64_t len, float& top_out) {
   vf16 top = load16(s);
   for (int64_t t = 16; t < len; t += 16) {
-    const vf16 v = load16(s + t);
-    top = v > top ? v : top;
+    top = llmserve::max16(load16(s + t), top);
   }
   float m = top[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, top[i]);
@@ -162,7 +163,7 @@ inline void scores_of(int64_t heads, const float* q, const scalar_t* kblock, flo
 template <typename scalar_t, int D, int G>
 inline void add_values(const float* p, int64_t stride, int64_t valid, const scalar_t* vblock,
                        float* acc) {
-  constexpr int P = G * D / 16 >= 8 ? 1 : 2;
+  constexpr int P = G * D / 16 * llmserve::kRegistersPerVf16 >= 8 ? 1 : 2;
   vf16 sums[P][G][D / 16] = {};
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < D / 16; ++c) sums[0][g][c] = load16(acc + g * D + c * 16);

@@ -12,30 +12,31 @@
 
 namespace {
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
 // One pass: each of 16 lanes keeps its running maximum and where it first saw
 // it (strict >); then the largest lane value, at the smallest index among the
-// lanes that hold it: the first maximal index, as torch.argmax returns.
+// lanes that hold it: the first maximal index, as torch.argmax returns. The
+// indices are kept as floats, exact below 2^24, so that one select serves
+// both (AVX2's vf16 is a pair of float registers, vector_math.h).
 template <typename scalar_t>
 int64_t argmax_row(const scalar_t* row, int64_t vocab) {
   using llmserve::vf16;
   if (vocab < 16) return std::max_element(row, row + vocab) - row;
-  vf16 best = llmserve::load16(row);
-  vi16 best_at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, at = best_at;
+  const float lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vf16 best = llmserve::load16(row), best_at = llmserve::load16(lanes), at = best_at;
   int64_t i = 16;
   for (; i + 16 <= vocab; i += 16) {
-    at += 16;
+    at += 16.f;
     const vf16 v = llmserve::load16(row + i);
-    const auto greater = v > best;
-    best = greater ? v : best;
-    best_at = greater ? at : best_at;
+    best_at = llmserve::where_greater(v, best, at, best_at);
+    best = llmserve::max16(v, best);
   }
   float top = best[0];
-  int64_t top_at = best_at[0];
-  for (int lane = 1; lane < 16; ++lane)
-    if (best[lane] > top || (best[lane] == top && best_at[lane] < top_at))
-      top = best[lane], top_at = best_at[lane];
+  int64_t top_at = static_cast<int64_t>(best_at[0]);
+  for (int lane = 1; lane < 16; ++lane) {
+    const int64_t lane_at = static_cast<int64_t>(best_at[lane]);
+    if (best[lane] > top || (best[lane] == top && lane_at < top_at))
+      top = best[lane], top_at = lane_at;
+  }
   for (; i < vocab; ++i)
     if (static_cast<float>(row[i]) > top) top = row[i], top_at = i;
   return top_at;
@@ -44,7 +45,8 @@ int64_t argmax_row(const scalar_t* row, int64_t vocab) {
 }  // namespace
 
 torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2, "logits: [rows, vocab]");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) < (1 << 24),
+              "logits: [rows, vocab < 2^24]");
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));

@@ -30,8 +30,20 @@ class FlushDenormals {
 #endif
 };
 
-// 16 floats: one AVX-512 register, two AVX2 ones (GCC splits it). Arithmetic on
+// GCC's vector types of N lanes (8: an AVX2 register, 16: an AVX-512 one), for
+// the functions below that are written once for either width.
+template <int N>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * N)));
+  typedef int32_t i __attribute__((vector_size(4 * N)));
+  typedef uint32_t u __attribute__((vector_size(4 * N)));
+  typedef uint16_t u16 __attribute__((vector_size(2 * N), aligned(2)));
+  typedef _Float16 h __attribute__((vector_size(2 * N), aligned(2)));
+};
+
+// 16 floats: one AVX-512 register; on AVX2 two (vf16_pair.h). Arithmetic on
 // these is element-wise, so the hot loops state their vector work directly.
+#if defined(__AVX512F__)
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 // The same 16 floats as memory: unaligned, and allowed to alias any float*.
 // Loads and stores go through a dereference of this type, which is one vector
@@ -41,46 +53,48 @@ typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 typedef float vf16_mem __attribute__((vector_size(64), aligned(4), may_alias));
 
 inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16_mem*>(p); }
+// Vector registers, and how many of them one vf16 takes: the kernels size their
+// sets of sums (GQA heads per pass, rows per GEMV pass) to fit.
+constexpr int kVectorRegisters = 32, kRegistersPerVf16 = 1;
+#else
+}  // namespace llmserve
+#include "vf16_pair.h"
+namespace llmserve {
+
+inline vf16 load16(const float* p) { return {load8(p), load8(p + 8)}; }
+constexpr int kVectorRegisters = 16, kRegistersPerVf16 = 2;
+#endif
 
 // A loaded vector kept in a register: GCC otherwise folds the load into each
 // multiply-add that uses it, so a K or V vector serving three query heads was
 // loaded three times, and attention ran short of load slots (bench/NOTES.md).
-// AVX2 has no register for 16 floats: there the compiler chooses.
 inline vf16 in_register(vf16 v) {
 #if defined(__AVX512F__)
   asm volatile("" : "+v"(v));
+#elif defined(__AVX2__)
+  asm volatile("" : "+x"(v.lo), "+x"(v.hi));
 #endif
   return v;
 }
 
-// Any other element type (bf16, fp16) is widened to fp32 on load.
+// Any other element type (double) is widened to fp32 on load.
 template <typename T>
 inline vf16 load16(const T* p) {
-  vf16 v;
+  float v[16];
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
+  return load16(v);
 }
 
-// bf16 is the top half of an fp32: widen and shift, 16 at a time. GCC splits
-// the generic conversion into two 256-bit halves; AVX-512 widens 16 in one go.
+// bf16 is the top half of an fp32: widen and shift. GCC splits the generic
+// conversion into two 256-bit halves; AVX-512 widens 16 in one go.
+#if defined(__AVX512F__)
 template <>
 inline vf16 load16(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
-#else
-  typedef uint16_t vu16 __attribute__((vector_size(32), aligned(2)));
-  typedef uint32_t vu32 __attribute__((vector_size(64)));
-  vu16 half;
-  std::memcpy(&half, p, sizeof(half));
-  const vu32 wide = __builtin_convertvector(half, vu32) << 16;
-  vf16 v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-#endif
 }
 
-// fp16 through the CPU's conversion instruction (F16C / AVX-512).
+// fp16 through the CPU's conversion instruction.
 template <>
 inline vf16 load16(const c10::Half* p) {
   typedef _Float16 vh16 __attribute__((vector_size(32), aligned(2)));
@@ -88,6 +102,31 @@ inline vf16 load16(const c10::Half* p) {
   std::memcpy(&half, p, sizeof(half));
   return __builtin_convertvector(half, vf16);
 }
+#else
+inline vf8 widen8(const c10::BFloat16* p) {
+  typedef uint16_t vu16 __attribute__((vector_size(16), aligned(2)));
+  typedef uint32_t vu32 __attribute__((vector_size(32)));
+  vu16 half;
+  std::memcpy(&half, p, sizeof(half));
+  const vu32 wide = __builtin_convertvector(half, vu32) << 16;
+  vf8 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+// fp16 through F16C's conversion instruction (part of every AVX2 CPU).
+inline vf8 widen8(const c10::Half* p) {
+  typedef _Float16 vh8 __attribute__((vector_size(16), aligned(2)));
+  vh8 half;
+  std::memcpy(&half, p, sizeof(half));
+  return __builtin_convertvector(half, vf8);
+}
+
+template <>
+inline vf16 load16(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+template <>
+inline vf16 load16(const c10::Half* p) { return {widen8(p), widen8(p + 8)}; }
+#endif
 
 // Narrows 16 floats to T and stores them, rounding to nearest even as c10's
 // scalar conversions do, but 16 at a time: c10::BFloat16's conversion (a NaN
@@ -98,31 +137,45 @@ inline void store16(T* p, vf16 v) {
   for (int i = 0; i < 16; ++i) p[i] = static_cast<T>(v[i]);
 }
 
-template <>
-inline void store16(float* p, vf16 v) {
-  *reinterpret_cast<vf16_mem*>(p) = v;
-}
-
-template <>
-inline void store16(c10::BFloat16* p, vf16 v) {
-  typedef uint32_t vu32 __attribute__((vector_size(64)));
-  typedef int32_t vi32 __attribute__((vector_size(64)));
-  typedef uint16_t vu16 __attribute__((vector_size(32), aligned(2)));
+// N floats to bf16, rounding to nearest even; NaN stays NaN.
+template <int N>
+inline void narrow_bf16(c10::BFloat16* p, typename Lanes<N>::f v) {
+  using vu32 = typename Lanes<N>::u;
+  using vi32 = typename Lanes<N>::i;
   vu32 bits;
   std::memcpy(&bits, &v, sizeof(bits));
   const vu32 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
   const vi32 nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where NaN
   const vu32 out = (rounded & ~(vu32)nan) | (0x7fc0u & (vu32)nan);
-  const vu16 half = __builtin_convertvector(out, vu16);
+  const typename Lanes<N>::u16 half = __builtin_convertvector(out, typename Lanes<N>::u16);
   std::memcpy(p, &half, sizeof(half));
 }
 
-template <>
-inline void store16(c10::Half* p, vf16 v) {
-  typedef _Float16 vh16 __attribute__((vector_size(32), aligned(2)));
-  const vh16 half = __builtin_convertvector(v, vh16);
+template <int N>
+inline void narrow_half(c10::Half* p, typename Lanes<N>::f v) {
+  const typename Lanes<N>::h half = __builtin_convertvector(v, typename Lanes<N>::h);
   std::memcpy(p, &half, sizeof(half));
 }
+
+#if defined(__AVX512F__)
+template <>
+inline void store16(float* p, vf16 v) {
+  *reinterpret_cast<vf16_mem*>(p) = v;
+}
+template <>
+inline void store16(c10::BFloat16* p, vf16 v) { narrow_bf16<16>(p, v); }
+template <>
+inline void store16(c10::Half* p, vf16 v) { narrow_half<16>(p, v); }
+#else
+template <>
+inline void store16(float* p, vf16 v) { store8(p, v.lo), store8(p + 8, v.hi); }
+template <>
+inline void store16(c10::BFloat16* p, vf16 v) {
+  narrow_bf16<8>(p, v.lo), narrow_bf16<8>(p + 8, v.hi);
+}
+template <>
+inline void store16(c10::Half* p, vf16 v) { narrow_half<8>(p, v.lo), narrow_half<8>(p + 8, v.hi); }
+#endif
 
 // Rows in fp32 scratch: widen() a row of T into floats, compute there with
 // plain `#pragma omp simd` loops (which vectorize as fp32 code does), and
@@ -168,36 +221,66 @@ inline float* scratch(int slot, int64_t n) {
 // Halving sum: four dependent adds, not sixteen (without -ffast-math the
 // compiler keeps a loop's order). The GEMV ends every output with one: a
 // one-row pass over SmolLM2's bf16 weights took 2-3% less time with it.
-inline float sum16(vf16 v) {
-  typedef float vf8 __attribute__((vector_size(32)));
+inline float sum8(Lanes<8>::f eight) {
   typedef float vf4 __attribute__((vector_size(16)));
-  const vf8 eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const vf4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) +
                    __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
+inline float sum16(vf16 v) {
+#if defined(__AVX512F__)
+  return sum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  return sum8(v.lo + v.hi);
+#endif
+}
+
 // e^x within 2 ulp for x in [-87, 88] (clamped outside: e^-87 is ~0 and e^88
-// ~fp32's max), 16 lanes at once: Cephes' expf polynomial on x - n ln2, scaled
+// ~fp32's max), N lanes at once: Cephes' expf polynomial on x - n ln2, scaled
 // by 2^n through the exponent bits. Written on vectors because GCC left a scalar
 // version scalar inside reduction loops (the softmax's sum).
-inline vf16 fast_exp16(vf16 x) {
-  typedef int32_t vi16 __attribute__((vector_size(64)));
+template <int N>
+inline typename Lanes<N>::f fast_exp(typename Lanes<N>::f x) {
+  using vf = typename Lanes<N>::f;
+  using vi = typename Lanes<N>::i;
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const vf16 t = x * 1.44269504088896341f + 0.5f;
-  vf16 n = __builtin_convertvector(__builtin_convertvector(t, vi16), vf16);
+  const vf t = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
   n = n > t ? n - 1.0f : n;  // truncation to floor
-  const vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return p * (vf16)bits;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)bits;
 }
+
+// Lane-wise: where a > b, x; elsewhere y.
+template <int N>
+inline typename Lanes<N>::f where_greater(typename Lanes<N>::f a, typename Lanes<N>::f b,
+                                          typename Lanes<N>::f x, typename Lanes<N>::f y) {
+  return a > b ? x : y;
+}
+
+#if defined(__AVX512F__)
+inline vf16 fast_exp16(vf16 x) { return fast_exp<16>(x); }
+inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) {
+  return where_greater<16>(a, b, x, y);
+}
+#else
+inline vf16 fast_exp16(vf16 x) { return {fast_exp<8>(x.lo), fast_exp<8>(x.hi)}; }
+inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) {
+  return {where_greater<8>(a.lo, b.lo, x.lo, y.lo), where_greater<8>(a.hi, b.hi, x.hi, y.hi)};
+}
+#endif
+
+// Lane-wise max (where either is NaN: b).
+inline vf16 max16(vf16 a, vf16 b) { return where_greater(a, b, a, b); }
 
 // x * sigmoid(x) in place over n floats.
 inline void silu(float* x, int64_t n) {

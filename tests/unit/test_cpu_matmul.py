@@ -16,7 +16,8 @@ from services.worker.cpu_matmul.gemm import GEMV_OVER_PACKED_GEMM_ROWS, PackedGe
 from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_FP32_ROWS,
-                                             GEMV_OVER_ONEDNN_ROWS, GemvForFewRows, gemv_rows)
+                                             GEMV_OVER_ONEDNN_ROWS, GEMV_ROWS_WITHOUT_AVX512,
+                                             GemvForFewRows, gemv_rows)
 from services.worker.cpu_matmul.mkl import (GEMV_OVER_MKL_ROWS, MKLPackedWeights,
                                             mkl_packing_available)
 from services.worker.cpu_matmul.onednn import OneDNNWeights
@@ -288,8 +289,7 @@ def test_fp32_takes_mkl_on_intel_our_gemm_with_avx512_and_onednn_elsewhere(monke
     every row count measured, where it has AVX-512's registers. On an Intel Xeon MKL's
     pack beat our GEMM from 4 rows on (bench/NOTES.md). Our GEMV in front of each."""
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
-    monkeypatch.setattr(gemm_module, "cpu_flags", lambda: {"avx2", "avx512f"} if avx512
-                        else {"avx2"})
+    monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
     if intel:
         want = "MKL prepacked" if torch.backends.mkl.is_available() else "F.linear"
     elif avx512:
@@ -327,15 +327,15 @@ def test_the_path_name_says_which_layers_our_gemv_skips():
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("flags,expected", [({"avx2", "avx512f"}, (5, 2, 1)),
-                                            ({"avx2"}, (1, 1, 1))])
-def test_gemv_takes_one_row_without_avx512(monkeypatch, flags, expected):
-    """Built for AVX2, our GEMV lost to oneDNN's fp32 path from two rows on, with 16-bit
-    weights too (bench/NOTES.md): there the 16-bit weights mode and fp32 models give it
-    one row, and oneDNN the rest. With AVX-512, off Intel, the fp32 path is our packed
-    GEMM, which the 16-bit weights beat at one row only."""
-    monkeypatch.setattr(gemv_module, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(gemm_module, "cpu_flags", lambda: flags)
+@pytest.mark.parametrize("avx512,expected", [(True, (5, 2, 1)), (False, (5, 2, 5))])
+def test_built_without_avx512_our_gemv_takes_the_rows_of_one_pass(monkeypatch, avx512, expected):
+    """Built for AVX2, one pass of our GEMV serves up to 6 rows, and it beat oneDNN's
+    fp32 path wherever it takes rows with AVX-512 (bench/NOTES.md, "The AVX2 build"):
+    the same rows, capped at 6. Off Intel the fp32 path is our packed GEMM where the
+    kernels have AVX-512 (which 16-bit weights beat at one row only), oneDNN's
+    elsewhere (which they beat up to GEMV_OVER_FP32_ROWS)."""
+    monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: avx512)
+    monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: False)
     assert (gemv_rows(GEMV_OVER_FP32_ROWS), gemv_rows(GEMV_OVER_ONEDNN_ROWS),
             weight_dtype_max_rows()) == expected
@@ -350,12 +350,13 @@ def test_gemv_takes_one_row_without_avx512(monkeypatch, flags, expected):
 
 @pytest.mark.skipif(not (mkl_packing_available() and cpu_ops_available()),
                     reason="needs torch's MKL and our kernels")
-@pytest.mark.parametrize("flags,rows", [({"avx2", "avx512f"}, GEMV_MAX_ROWS), ({"avx2"}, 1)])
-def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, flags, rows):
+@pytest.mark.parametrize("avx512,rows", [(True, GEMV_MAX_ROWS), (False, GEMV_ROWS_WITHOUT_AVX512)])
+def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, avx512, rows):
     """On an Intel Xeon our GEMV on a 16-bit copy of the weights beat MKL's pack of the
     fp32 ones at every row count it takes, 1 to 8, and our fp32 GEMV lost to that pack
-    from two rows on (bench/NOTES.md). Without AVX-512, one row each."""
-    monkeypatch.setattr(gemv_module, "cpu_flags", lambda: flags)
+    from two rows on (bench/NOTES.md). Built for AVX2, up to the 6 rows of one pass
+    (at 8 MKL's pack won)."""
+    monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: True)
     assert fp32_path() == "MKL prepacked" and weight_dtype_max_rows() == rows
     weight = torch.randn(32, 64)

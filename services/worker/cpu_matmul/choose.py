@@ -6,7 +6,7 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
   single streams (one or two rows);
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
   of the weights for up to weight_dtype_max_rows() rows, the fp32 path above;
-- on CPUs without AVX-512, our GEMV for one row only (gemv_rows);
+- with kernels built without AVX-512, our GEMV for at most 6 rows (gemv_rows);
 - fp32 on Intel CPUs: MKL prepacked; on other CPUs with AVX-512: our GEMM on
   weights we pack; on the rest: oneDNN prepacked (MKL runs generic code paths
   off Intel); our GEMV in front of each for one row (two before oneDNN);

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import cpu_ops_available
-from services.worker.cpu_info import cpu_flags
+from kernels.cpu_build import kernels_built_for_avx512
 from services.worker.cpu_matmul.gemv import GemvForFewRows
 from services.worker.host_memory import onto_huge_pages
 
@@ -51,7 +50,7 @@ def fused_silu_and_mul(strategy, x: torch.Tensor) -> torch.Tensor | None:
 
 def packed_gemm_available() -> bool:
     """Whether the kernel is built here for AVX-512 (24 sums need its 32 registers)."""
-    return cpu_ops_available() and "avx512f" in cpu_flags()
+    return kernels_built_for_avx512()
 
 
 def packed_weights_on_huge_pages(strategies: list) -> int:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import cpu_ops_available
-from services.worker.cpu_info import cpu_flags
+from kernels.cpu_build import cpu_ops_available, kernels_built_for_avx512
 from services.worker.cpu_matmul.strategy import MatmulStrategy
 
 # Up to this many rows, a step reads weights faster than it multiplies them.
@@ -17,15 +16,17 @@ GEMV_OVER_ONEDNN_ROWS = 2
 # prepacked fp32 path over fp32 ones; from 6 rows on it tied or lost (an AVX-512 AMD
 # EPYC, bench/NOTES.md), so the `--weight-dtype` mode acts up to here over oneDNN.
 GEMV_OVER_FP32_ROWS = 5
-# Without AVX-512 its 16-float vectors take two registers each, and built so it lost to
-# oneDNN's fp32 path from two rows on, with 16-bit weights too (bench/NOTES.md): one row.
-GEMV_ROWS_WITHOUT_AVX512 = 1
+# Built without AVX-512, one pass of our GEMV over the weights serves up to 6 rows
+# (their sums in AVX2's 16 registers, kernels/csrc/gemv.cpp); more read the weights
+# twice, and at 8 rows 16-bit weights lost to MKL's pack of the fp32 ones built for
+# AVX2 (36.5 against 34.7 ms a pass; at 6 rows 27.9 won; bench/NOTES.md).
+GEMV_ROWS_WITHOUT_AVX512 = 6
 
 
 def gemv_rows(limit: int) -> int:
-    """How many rows our GEMV takes on this CPU where `limit` is what it takes with
-    AVX-512 (the kernels build for the host's own vector width)."""
-    return limit if "avx512f" in cpu_flags() else min(limit, GEMV_ROWS_WITHOUT_AVX512)
+    """How many rows our GEMV takes here where `limit` is what it takes when the
+    kernels are built for AVX-512 (by default for the host's own vector width)."""
+    return limit if kernels_built_for_avx512() else min(limit, GEMV_ROWS_WITHOUT_AVX512)
 
 
 class GemvForFewRows:
