@@ -32,7 +32,7 @@ _CFLAGS = ["-O3", f"-march={_MARCH}", "-mprefer-vector-width=512", "-fno-trappin
            "-fno-math-errno", "-fopenmp"]
 # One build per checkout and target: torch keys its cache by the extension's name,
 # and its ninja file holds the sources' absolute paths, so two checkouts sharing a
-# name rebuild everything (over two minutes on two cores) each time the other ran.
+# name rebuild everything (about 100 s on two cores) each time the other ran.
 _BUILD_KEY = str(_CSRC.resolve()) + ("" if _MARCH == "native" else f" -march={_MARCH}")
 _EXTENSION_NAME = "llmserve_cpu_ops_" + hashlib.sha1(_BUILD_KEY.encode()).hexdigest()[:8]
 

@@ -6,8 +6,8 @@
 // prefetched while the current one multiplies, so DRAM never idles during the
 // tile math. Compiled only where the build host has AMX-BF16 (-march=native);
 // elsewhere amx_bf16_available() is false and the linears use oneDNN.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -116,20 +116,20 @@ bool amx_bf16_available() {
 
 // x [M, K] bf16, packed [N / 32, K / 32, 1024] bf16 from pack_amx_weight
 // (services/worker/cpu_linear.py) -> [M, N] bf16, with fp32 sums.
-torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed) {
+at::Tensor amx_bf16_linear(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(amx_bf16_available(), "amx_bf16_linear: this CPU or build has no AMX-BF16");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kBlock;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   K % 32 == 0 && packed.size(1) == K / 32 && packed.is_contiguous(),
               "amx_bf16_linear: bf16 x [M, K], packed [N/32, K/32, 1024], K % 32 == 0");
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
 #ifdef LLMSERVE_AMX
   // Tiles load 16 rows at a time: pad x to whole blocks with zero rows.
   const int64_t padded_rows = (M + kBlock - 1) / kBlock * kBlock;
-  torch::Tensor xp = x.contiguous();
+  at::Tensor xp = x.contiguous();
   if (padded_rows != M) {
-    xp = torch::zeros({padded_rows, K}, x.options());
+    xp = at::zeros({padded_rows, K}, x.options());
     xp.narrow(0, 0, M).copy_(x);
   }
   const auto* xd = xp.data_ptr<at::BFloat16>();

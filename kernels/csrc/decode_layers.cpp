@@ -5,8 +5,8 @@
 // one cost more than the element-wise kernels themselves (bench/NOTES.md);
 // here each costs a C++ call. Plain layers only (no biases, no q/k norms, no
 // LoRA, one rank): services/worker/models/cpu_decode_layers.py decides.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
 
 #include <vector>
 
@@ -20,13 +20,13 @@ constexpr int64_t kPerLayer = 6;
 constexpr int64_t kPackedPerLayer = 4;
 
 struct Step {
-  torch::Tensor positions, cos_sin, slot_mapping, block_table, seq_lens;
+  at::Tensor positions, cos_sin, slot_mapping, block_table, seq_lens;
   int64_t num_heads, num_kv_heads, head_dim, gemv_rows;
   double eps, scale;
 };
 
 // Calls a torch operator, as Python's torch.ops does.
-torch::Tensor call(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+at::Tensor call(const c10::OperatorHandle& op, torch::jit::Stack stack) {
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
@@ -36,8 +36,8 @@ torch::Tensor call(const c10::OperatorHandle& op, torch::jit::Stack stack) {
 // panels (cpu_matmul/gemm.py PackedGemmWeights), or an opaque tensor, called as
 // its strategy calls it: MKL's pack (cpu_matmul/mkl.py, a buffer of [floats, 1])
 // or oneDNN's (cpu_matmul/onednn.py, the weight's own [N, K]).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const torch::Tensor* packed, const Step& s) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* packed,
+                  const Step& s) {
   if (x.size(0) <= s.gemv_rows) return gemv(x, weight);
   if (!packed->is_mkldnn()) return gemm(x, *packed, weight.size(0));
   static auto& ops = c10::Dispatcher::singleton();
@@ -52,8 +52,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 // silu_and_mul of the gate_up linear's product: in our GEMM's own pass where it
 // takes the step and each half of the weight is whole panels, as
 // PackedColumnParallelLinear.silu_and_mul chooses.
-torch::Tensor gated(const torch::Tensor& x, const torch::Tensor& weight,
-                    const torch::Tensor* packed, const Step& s) {
+at::Tensor gated(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* packed,
+                 const Step& s) {
   const int64_t n = weight.size(0);
   if (x.size(0) > s.gemv_rows && !packed->is_mkldnn() && n % (2 * packed->size(2)) == 0)
     return gemm_silu_and_mul(x, *packed, n);
@@ -62,13 +62,13 @@ torch::Tensor gated(const torch::Tensor& x, const torch::Tensor& weight,
 
 // Attention then MLP of one layer, from its normed input x; leaves the residual
 // stream updated and returns the MLP's output (not yet added to it).
-torch::Tensor layer(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor* w,
-                    const torch::Tensor* p, const torch::Tensor& key_cache,
-                    const torch::Tensor& value_cache, const Step& s) {
+at::Tensor layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor* w,
+                 const at::Tensor* p, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const Step& s) {
   const int64_t T = x.size(0), q_size = s.num_heads * s.head_dim;
   const int64_t kv_size = s.num_kv_heads * s.head_dim;
   // The j-th linear of the layer (qkv, o, gate_up, down) on `in`.
-  auto lin = [&](const torch::Tensor& in, int j) {
+  auto lin = [&](const at::Tensor& in, int j) {
     static constexpr int kWeight[] = {1, 2, 4, 5};
     return linear(in, w[kWeight[j]], p ? p + j : nullptr, s);
   };
@@ -91,13 +91,12 @@ torch::Tensor layer(const torch::Tensor& x, torch::Tensor& residual, const torch
 // final norm's; packed: kPackedPerLayer per layer, or none where every step has
 // at most gemv_rows rows; caches: each layer's key and value caches. Returns the
 // final norm of the last hidden states, as LlamaModel.forward does.
-torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
-                                  std::vector<torch::Tensor> packed,
-                                  std::vector<torch::Tensor> caches, torch::Tensor positions,
-                                  torch::Tensor cos_sin, torch::Tensor slot_mapping,
-                                  torch::Tensor block_table, torch::Tensor seq_lens,
-                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t gemv_rows, double eps, double scale) {
+at::Tensor llama_decode_layers(at::Tensor x, std::vector<at::Tensor> weights,
+                               std::vector<at::Tensor> packed, std::vector<at::Tensor> caches,
+                               at::Tensor positions, at::Tensor cos_sin, at::Tensor slot_mapping,
+                               at::Tensor block_table, at::Tensor seq_lens, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t gemv_rows,
+                               double eps, double scale) {
   const int64_t num_layers = static_cast<int64_t>(caches.size()) / 2;
   const auto num_packed = static_cast<int64_t>(packed.size());
   TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(weights.size()) ==
@@ -109,12 +108,12 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> we
   const Step s{positions, cos_sin, slot_mapping, block_table, seq_lens, num_heads,
                num_kv_heads, head_dim, gemv_rows, eps, scale};
   // The first layer: the embeddings are the residual stream, normed apart.
-  torch::Tensor residual = x;
-  torch::Tensor h = rms_norm(x, weights[0], eps);
+  at::Tensor residual = x;
+  at::Tensor h = rms_norm(x, weights[0], eps);
   for (int64_t i = 0; i < num_layers; ++i) {
-    const torch::Tensor* w = weights.data() + i * kPerLayer;
+    const at::Tensor* w = weights.data() + i * kPerLayer;
     if (i > 0) fused_add_rms_norm(h, residual, w[0], eps);
-    const torch::Tensor* p = num_packed ? packed.data() + i * kPackedPerLayer : nullptr;
+    const at::Tensor* p = num_packed ? packed.data() + i * kPackedPerLayer : nullptr;
     h = layer(h, residual, w, p, caches[2 * i], caches[2 * i + 1], s);
   }
   fused_add_rms_norm(h, residual, weights.back(), eps);

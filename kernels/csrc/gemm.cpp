@@ -16,8 +16,8 @@
 // gemm_silu_and_mul multiplies by an MLP's gate_up weight and applies the
 // activation tile by tile, gate's panel and up's in turn, so the product (twice
 // the MLP's width) is never written out and read back.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -119,12 +119,12 @@ void for_panels_and_rows(int64_t panels, int64_t M, Fn&& fn) {
 
 }  // namespace
 
-torch::Tensor pack_gemm_weight(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
+at::Tensor pack_gemm_weight(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
               "pack_gemm_weight: an fp32 [N, K] weight");
   weight = weight.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto packed = torch::zeros({panels, K, kPanel}, weight.options());
+  auto packed = at::zeros({panels, K, kPanel}, weight.options());
   const float* w = weight.data_ptr<float>();
   float* out = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -136,14 +136,14 @@ torch::Tensor pack_gemm_weight(torch::Tensor weight) {
 }
 
 // x: [M, K] fp32; packed: pack_gemm_weight's [panels, K, 48]; n: W's rows.
-torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && packed.dim() == 3 &&
-              packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
-              packed.size(0) == (n + kPanel - 1) / kPanel,
+at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 &&
+                  packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
+                  packed.size(0) == (n + kPanel - 1) / kPanel,
               "gemm: fp32 x [M, K] and pack_gemm_weight's panels of a [n, K] weight");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
@@ -156,15 +156,16 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
 
 // silu_and_mul(gemm(x, packed, n)) in one pass, for a gate_up weight [n, K] whose
 // halves (gate, then up) are whole panels: [M, n / 2].
-torch::Tensor gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && packed.dim() == 3 &&
-              packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
-              n % (2 * kPanel) == 0 && packed.size(0) == n / kPanel,
+at::Tensor gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 &&
+                  packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
+                  n % (2 * kPanel) == 0 && packed.size(0) == n / kPanel,
               "gemm_silu_and_mul: fp32 x [M, K] and pack_gemm_weight's panels of a [n, K] "
-              "weight whose halves are multiples of ", kPanel, " rows");
+              "weight whose halves are multiples of ",
+              kPanel, " rows");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), half = n / 2, panels = half / kPanel;
-  auto y = torch::empty({M, half}, x.options());
+  auto y = at::empty({M, half}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();

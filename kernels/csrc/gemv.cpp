@@ -5,9 +5,9 @@
 // kernel, which comes close to a bare sum over them (bench/NOTES.md). Works with
 // AVX2 as with AVX-512 (widening bf16 is a shift), so it also serves 16-bit
 // weights on CPUs without bf16 arithmetic.
+#include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <cstdint>
 
@@ -89,13 +89,13 @@ void gemv_rows(const float* x, int64_t M, const w_t* w, int64_t N, int64_t K, fl
 // 16, M <= 8 -> [M, N] in x's dtype. A 16-bit x is widened into scratch and the
 // sums narrowed into the output here: as two tensor conversions around the
 // kernel they cost 7-11% of a bf16 model's one-row pass over its weights.
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight) {
+at::Tensor gemv(at::Tensor x, at::Tensor weight) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(M <= kMaxRows && K % 16 == 0 && weight.size(1) == K && weight.is_contiguous(),
               "gemv: x [M <= 8, K], weight [N, K] contiguous, K % 16 == 0");
   x = x.contiguous();
-  auto out = torch::empty({M, N}, x.options());
-  const bool fp32 = x.scalar_type() == torch::kFloat32;
+  auto out = at::empty({M, N}, x.options());
+  const bool fp32 = x.scalar_type() == at::kFloat;
   float* xf = fp32 ? x.data_ptr<float>() : llmserve::scratch(0, M * K);
   float* outf = fp32 ? out.data_ptr<float>() : llmserve::scratch(1, M * N);
   if (!fp32) {

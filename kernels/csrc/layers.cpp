@@ -6,8 +6,8 @@
 // the normalized value to the model dtype, then multiplies by the weight (two
 // roundings in bf16, none in fp32). The sum of squares is a vectorized reduction,
 // as torch's mean is, so it can differ from torch in the last bit.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <cmath>
 
@@ -34,8 +34,7 @@ inline void rms_norm_row(float* v, const float* w, int64_t n, double eps, scalar
 }
 
 template <typename scalar_t>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-                   torch::Tensor& out) {
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t n = x.size(-1), rows = x.numel() / n;
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* wp = weight.data_ptr<scalar_t>();
@@ -54,8 +53,7 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double e
 
 // residual += x; x = rms_norm(residual), row by row, in place.
 template <typename scalar_t>
-void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
-                       double eps) {
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   const int64_t n = x.size(-1), rows = x.numel() / n;
   scalar_t* xp = x.data_ptr<scalar_t>();
   scalar_t* rp = residual.data_ptr<scalar_t>();
@@ -101,8 +99,8 @@ inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t
 }
 
 template <typename scalar_t>
-void rotary_impl(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
-                 const torch::Tensor& cos_sin) {
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+                 const at::Tensor& cos_sin) {
   const int64_t T = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2), half = D / 2;
   const int64_t q_stride = q.stride(0), k_stride = k.stride(0);
   scalar_t* qp = q.data_ptr<scalar_t>();
@@ -122,7 +120,7 @@ void rotary_impl(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positi
 }
 
 template <typename scalar_t>
-void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = out.size(0), n = out.size(1);
   const scalar_t* in = gate_up.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -143,22 +141,21 @@ void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   });
 }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.is_contiguous(), name, " must be contiguous");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   x = x.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
                                   [&] { rms_norm_impl<scalar_t>(x, weight.contiguous(), eps, out); });
   return out;
 }
 
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                        double eps) {
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
@@ -167,20 +164,19 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   });
 }
 
-void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
-                      torch::Tensor cos_sin) {
+void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be contiguous");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "k: heads must be contiguous");
-  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous(),
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
               "cos_sin: contiguous fp32 [max_positions, 2, head_dim / 2]");
-  positions = positions.to(torch::kInt64).contiguous();
+  positions = positions.to(at::kLong).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding",
                                   [&] { rotary_impl<scalar_t>(q, k, positions, cos_sin); });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   gate_up = gate_up.contiguous();
-  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(),
                                   "silu_and_mul", [&] { silu_and_mul_impl<scalar_t>(gate_up, out); });
   return out;

@@ -1,9 +1,9 @@
 // The CPU kernels as torch operators: torch.ops.llmserve.<name>. Registered
 // operators show up in the profiler and can be traced by torch.compile.
-#include <torch/library.h>
-#include <torch/extension.h>
-
 #include "ops.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 namespace {
 

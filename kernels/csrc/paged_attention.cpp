@@ -12,8 +12,8 @@
 //
 // Built for the host at first use (-march=native: AVX-512 or AVX2 code as the
 // CPU has it); the loops are written so the compiler vectorizes them.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,8 +29,8 @@ namespace {
 // k, v: [T, KV, D] with each token's heads contiguous (token stride free: they
 // are usually views into the fused qkv projection's output).
 template <typename scalar_t>
-void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& key_cache,
-                   torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache,
+                   at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const int64_t T = k.size(0), KV = k.size(1), D = k.size(2);
   const int64_t bs = key_cache.size(3), k_stride = k.stride(0), v_stride = v.stride(0);
   const scalar_t* kp = k.data_ptr<scalar_t>();
@@ -306,9 +306,9 @@ struct Decode {
     double scale;
   };
 
-  static void run(const torch::Tensor& query, const torch::Tensor& key_cache,
-                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                  const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  static void run(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_table,
+                  const at::Tensor& seq_lens, double scale, at::Tensor& out) {
     const int64_t H = query.size(1), KV = key_cache.size(1);
     const Batch x{query.data_ptr<q_t>(), key_cache.data_ptr<scalar_t>(),
                   value_cache.data_ptr<scalar_t>(), block_table.data_ptr<int64_t>(),
@@ -424,10 +424,10 @@ struct PrefillTile {
 // the list gives every range a like share of cheap and costly ones.
 template <typename q_t, typename scalar_t, int BS, int D>
 struct Prefill {
-  static void run(const torch::Tensor& query, const torch::Tensor& key_cache,
-                  const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                  double scale, torch::Tensor& out) {
+  static void run(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_table,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                  at::Tensor& out) {
     const int64_t H = query.size(1), KV = key_cache.size(1), group = H / KV;
     const int64_t positions = std::max<int64_t>(1, kPrefillRows / group);
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -491,8 +491,7 @@ void dispatch_shape(int64_t block_size, int64_t head_dim, Args&... args) {
 // Kernel over (query, key_cache, ...): the query and cache in one dtype, or an
 // fp32 query (and output) over a 16-bit cache under an fp32 model.
 template <template <typename, typename, int, int> class Kernel, typename... Args>
-void dispatch_dtypes(const torch::Tensor& query, const torch::Tensor& key_cache,
-                     Args&... args) {
+void dispatch_dtypes(const at::Tensor& query, const at::Tensor& key_cache, Args&... args) {
   const int64_t block_size = key_cache.size(3), head_dim = query.size(2);
   const auto cache_type = key_cache.scalar_type();
   if (query.scalar_type() == cache_type) {
@@ -501,9 +500,9 @@ void dispatch_dtypes(const torch::Tensor& query, const torch::Tensor& key_cache,
     });
     return;
   }
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 &&
-                  (cache_type == at::kBFloat16 || cache_type == at::kHalf),
-              "query and cache dtypes: equal, or an fp32 query with a bf16/fp16 cache");
+  TORCH_CHECK(
+      query.scalar_type() == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf),
+      "query and cache dtypes: equal, or an fp32 query with a bf16/fp16 cache");
   if (cache_type == at::kBFloat16)
     dispatch_shape<Kernel, float, at::BFloat16>(block_size, head_dim, query, key_cache, args...);
   else
@@ -512,49 +511,47 @@ void dispatch_dtypes(const torch::Tensor& query, const torch::Tensor& key_cache,
 
 // [T, heads, D] with each token's heads contiguous, as the kernels read them (any
 // token stride).
-bool has_contiguous_heads(const torch::Tensor& x) {
+bool has_contiguous_heads(const at::Tensor& x) {
   return x.stride(2) == 1 && x.stride(1) == x.size(2);
 }
 
 // x itself where its heads are contiguous, else a contiguous copy.
-torch::Tensor heads_contiguous(const torch::Tensor& x) {
+at::Tensor heads_contiguous(const at::Tensor& x) {
   return has_contiguous_heads(x) ? x : x.contiguous();
 }
 
 }  // namespace
 
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache,
-                    torch::Tensor value_cache, torch::Tensor slot_mapping) {
+void write_kv_cache(at::Tensor k, at::Tensor v, at::Tensor key_cache, at::Tensor value_cache,
+                    at::Tensor slot_mapping) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   // A 16-bit cache under an fp32 model takes rounded K/V. Otherwise no copy: the
   // kernel reads k and v in place, views into the qkv projection.
   k = heads_contiguous(k.to(key_cache.scalar_type()));
   v = heads_contiguous(v.to(value_cache.scalar_type()));
-  slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
+  slot_mapping = slot_mapping.to(at::kLong).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache",
                                   [&] {
     write_kv_impl<scalar_t>(k, v, key_cache, value_cache, slot_mapping);
   });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                  at::Tensor block_table, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0,
               "query heads must be a multiple of KV heads");
   query = heads_contiguous(query);
-  block_table = block_table.to(torch::kInt64).contiguous();
-  seq_lens = seq_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  block_table = block_table.to(at::kLong).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   dispatch_dtypes<Decode>(query, key_cache, value_cache, block_table, seq_lens, scale, out);
   return out;
 }
 
-void paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
-                             torch::Tensor value_cache, torch::Tensor block_table,
-                             torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
-                             torch::Tensor out) {
+void paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                             at::Tensor block_table, at::Tensor seq_lens,
+                             at::Tensor query_start_loc, double scale, at::Tensor out) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0,
               "query heads must be a multiple of KV heads");
@@ -562,9 +559,9 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
                   out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "query and out: [tokens, heads, head_dim] of one dtype, each token's heads "
               "contiguous (out contiguous)");
-  block_table = block_table.to(torch::kInt64).contiguous();
-  seq_lens = seq_lens.to(torch::kInt64).contiguous();
-  query_start_loc = query_start_loc.to(torch::kInt64).contiguous();
+  block_table = block_table.to(at::kLong).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
+  query_start_loc = query_start_loc.to(at::kLong).contiguous();
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 &&
                   block_table.size(0) == seq_lens.size(0),
               "one block table row and seq_len per sequence, and one more query_start_loc");

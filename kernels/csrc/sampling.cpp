@@ -2,8 +2,8 @@
 // argmax over the vocabulary runs on one thread). 16-bit logits are compared
 // widened to fp32, which is exact, so a 16-bit model's greedy step needs no fp32
 // copy of its logits (50 MB at 256 rows).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -44,12 +44,12 @@ int64_t argmax_row(const scalar_t* row, int64_t vocab) {
 
 }  // namespace
 
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) < (1 << 24),
               "logits: [rows, vocab < 2^24]");
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "argmax_rows",
                                   [&] {

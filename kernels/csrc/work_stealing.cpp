@@ -1,16 +1,16 @@
 // parallel_for_stealing (work_stealing.h) as an operator, for its tests: which
 // thread ran each item (and how many times), with thread 0 stalled at the first
 // item it takes, as a thread that lost its core would be.
-#include <torch/extension.h>
+#include "work_stealing.h"
+
+#include <ATen/ATen.h>
 
 #include <chrono>
 #include <thread>
 
-#include "work_stealing.h"
-
-torch::Tensor stolen_items(int64_t items, int64_t stall_us) {
-  auto ran_by = torch::full({items}, -1, torch::kInt64);
-  auto times = torch::zeros({items}, torch::kInt64);
+at::Tensor stolen_items(int64_t items, int64_t stall_us) {
+  auto ran_by = at::full({items}, -1, at::kLong);
+  auto times = at::zeros({items}, at::kLong);
   int64_t* owner = ran_by.data_ptr<int64_t>();
   int64_t* count = times.data_ptr<int64_t>();
   llmserve::parallel_for_stealing(items, [&](auto& next) {
@@ -23,5 +23,5 @@ torch::Tensor stolen_items(int64_t items, int64_t stall_us) {
       __atomic_add_fetch(count + item, 1, __ATOMIC_RELAXED);
     }
   });
-  return torch::stack({ran_by, times});
+  return at::stack({ran_by, times});
 }
