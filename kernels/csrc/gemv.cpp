@@ -20,21 +20,26 @@ using llmserve::vf16;
 
 constexpr int kMaxRows = 8;
 
-// Independent sums per row along K: two vf16 with AVX-512 (two chains of
-// multiply-adds); one with AVX2, where a vf16's two halves are already two.
-constexpr int kSums = llmserve::kRegistersPerVf16 == 1 ? 2 : 1;
+// Independent sums per row along K for M rows: two vf16 where the registers hold
+// them and two vf16 of weights (always with AVX-512; up to 3 rows with AVX2),
+// else one (a vf16's two halves are two chains of multiply-adds already).
+template <int M>
+constexpr int sums_per_row() {
+  return (2 * M + 2) * llmserve::kRegistersPerVf16 <= llmserve::kVectorRegisters ? 2 : 1;
+}
 // Rows one pass over the weights serves: their sums and a step's weights within
 // the vector registers (8 x 2 + 2 of AVX-512's 32; 6 x 2 + 2 of AVX2's 16).
 constexpr int kRowsPerPass = llmserve::kVectorRegisters == 32 ? 8 : 6;
 
 // out[m][n] for every row m of x and one weight row n, walking the weight row
-// once, front to back (one sequential stream for the prefetchers), with kSums
-// independent sums along K so the multiply-adds pipeline. Two, not four, with
-// AVX-512: four streamed the weights measurably slower at one and two rows
+// once, front to back (one sequential stream for the prefetchers), with
+// independent sums along K so the multiply-adds pipeline. Two vf16, not four,
+// with AVX-512: four streamed the weights measurably slower at one and two rows
 // (bench/NOTES.md, "GEMV: two sums"); the loads, not the adds, set the pace.
+// With AVX2, two (four registers) beat one by 5-8% at one and two rows.
 template <typename w_t, int M>
 inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N) {
-  constexpr int S = kSums;
+  constexpr int S = sums_per_row<M>();
   vf16 acc[M][S] = {};
   int64_t k = 0;
   for (; k + 16 * S <= K; k += 16 * S) {

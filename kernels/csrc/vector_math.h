@@ -85,8 +85,8 @@ inline vf16 load16(const T* p) {
   return load16(v);
 }
 
-// bf16 is the top half of an fp32: widen and shift. GCC splits the generic
-// conversion into two 256-bit halves; AVX-512 widens 16 in one go.
+// bf16 is the top half of an fp32: widen and shift, 16 at a time with AVX-512,
+// 8 at a time (widen8) without.
 #if defined(__AVX512F__)
 template <>
 inline vf16 load16(const c10::BFloat16* p) {
