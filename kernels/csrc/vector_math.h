@@ -260,22 +260,14 @@ inline typename Lanes<N>::f fast_exp(typename Lanes<N>::f x) {
   return p * (vf)bits;
 }
 
-// Lane-wise: where a > b, x; elsewhere y.
-template <int N>
-inline typename Lanes<N>::f where_greater(typename Lanes<N>::f a, typename Lanes<N>::f b,
-                                          typename Lanes<N>::f x, typename Lanes<N>::f y) {
-  return a > b ? x : y;
-}
-
+// where_greater: lane-wise, where a > b, x; elsewhere y.
 #if defined(__AVX512F__)
 inline vf16 fast_exp16(vf16 x) { return fast_exp<16>(x); }
-inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) {
-  return where_greater<16>(a, b, x, y);
-}
+inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) { return a > b ? x : y; }
 #else
 inline vf16 fast_exp16(vf16 x) { return {fast_exp<8>(x.lo), fast_exp<8>(x.hi)}; }
 inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) {
-  return {where_greater<8>(a.lo, b.lo, x.lo, y.lo), where_greater<8>(a.hi, b.hi, x.hi, y.hi)};
+  return {a.lo > b.lo ? x.lo : y.lo, a.hi > b.hi ? x.hi : y.hi};
 }
 #endif
 
