@@ -139,8 +139,16 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Something for step() to do: requests to run, finished ones to report,
-        or a step in flight."""
-        return bool(self._in_flight) or self.scheduler.has_work()
+        or a step in flight whose tokens are awaited."""
+        return self._num_awaited() > 0 or self.scheduler.has_work()
+
+    def _num_awaited(self) -> int:
+        """Steps in flight that carry tokens. A step that only tells the workers
+        which requests finished is not waited for: its empty output is read
+        before the next step's, so a request that arrives while it travels (one
+        stream's next request, just after the last one ended) is not held for
+        its round trip."""
+        return sum(1 for s in self._in_flight if s.scheduler_output.total_num_scheduled_tokens)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedules a step and sends it to the workers, then waits for the oldest
@@ -150,9 +158,9 @@ class EngineCore:
         before: the first call of a run returns []. When nothing could be sent
         (every request is in flight), the oldest step is waited for."""
         sent = self._send(self.scheduler.schedule())
-        keep = self.queue_depth() - 1 if sent else max(0, len(self._in_flight) - 1)
+        keep = self.queue_depth() - 1 if sent else max(0, self._num_awaited() - 1)
         outputs = []
-        while len(self._in_flight) > keep:
+        while self._num_awaited() > keep:
             outputs += self._receive(self._in_flight.popleft())
         return outputs
 
@@ -200,9 +208,11 @@ class EngineCore:
     def _step_done(self, step: _StepInFlight) -> None:
         """Reports the step's time: from when the workers could start it (it was
         sent and the step before it was back) to its output applied."""
-        now = time.perf_counter()
         num_tokens = step.scheduler_output.total_num_scheduled_tokens
-        if self.on_step_done is not None and num_tokens:  # not one that only drops requests
+        if not num_tokens:  # one that only drops requests, read when the next is
+            return
+        now = time.perf_counter()
+        if self.on_step_done is not None:
             self.on_step_done(now - max(step.sent_at, self._last_step_done_at), num_tokens)
         self._last_step_done_at = now
 
@@ -211,7 +221,8 @@ class EngineCore:
         self.num_scheduled_tokens_last_step = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.is_empty:
             return False
-        span = self._step_span(scheduler_output)
+        carries_tokens = scheduler_output.total_num_scheduled_tokens > 0
+        span = self._step_span(scheduler_output) if carries_tokens else None
         try:
             pending = self.executor.execute_model_async(scheduler_output)
         except Exception:
@@ -220,8 +231,8 @@ class EngineCore:
             raise
         self._in_flight.append(_StepInFlight(scheduler_output, pending, span,
                                              time.perf_counter()))
-        if self.on_step_sent is not None:
-            self.on_step_sent(len(self._in_flight))
+        if self.on_step_sent is not None and carries_tokens:
+            self.on_step_sent(self._num_awaited())
         return True
 
     def _step_span(self, scheduler_output):

@@ -11,6 +11,7 @@ from services.common.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from services.common.errors import FailedPrecondition
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
 from services.engine_core.engine_core import EngineCore
+from services.engine_core.executor import PendingStep
 from services.worker.step_order import StepOrder
 from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens, run_to_end
 
@@ -83,6 +84,31 @@ def test_a_request_id_reused_at_once_does_not_get_the_old_requests_token():
     core.add_request(EngineCoreRequest("r", second, SamplingParams(max_tokens=5)))
     tokens, reasons = run_to_end(core)
     assert tokens["r"] == reference_tokens(second, 5, set(), 64)
+    assert_all_free(core, 64)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_step_that_only_drops_finished_requests_is_not_waited_for(async_scheduling):
+    """One stream's next request, arriving as the last one ends, is not held for
+    the round trip of the step that tells the workers it ended: that step's
+    output is read before the next step's, whenever that comes."""
+    core = make_core(async_scheduling=async_scheduling)
+    sent, read = [], []
+    send = core.executor.execute_model_async
+
+    def recording_send(so):
+        pending, step = send(so), len(sent)
+        sent.append(so)
+        return PendingStep(lambda: (read.append(step), pending.result())[1])
+    core.executor.execute_model_async = recording_send
+    for request_id, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6, 7])):
+        core.add_request(EngineCoreRequest(request_id, prompt, SamplingParams(max_tokens=3)))
+        tokens, _ = run_to_end(core)
+        assert tokens[request_id] == reference_tokens(prompt, 3, set(), 64)
+        drop = sent[-1]
+        assert drop.finished_request_ids == [request_id] and not drop.num_scheduled_tokens
+        assert not core.has_work() and read[-1] == len(sent) - 2  # sent, not read
+    assert read == list(range(len(sent) - 1))  # a's drop step read before b's first
     assert_all_free(core, 64)
 
 
