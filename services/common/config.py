@@ -84,10 +84,11 @@ class SchedulerConfig:
     # Offline, throughput is what counts: no cap (the server caps steps to bound
     # inter-token latency).
     max_step_tokens_while_decoding: int = setting(
-        256, "while any request decodes, a step carries at most this many tokens: its "
-        "decodes, then prompt tokens in what is left (at least a quarter), so a burst of "
-        "arrivals delays each decode by a bounded step (0: no cap; a step without decodes "
-        "always uses the whole budget)", offline_default=0)
+        256, "while requests decode, a step carries at most this many tokens: its "
+        "decodes, then prompt tokens in what is left (at least a quarter), so arrivals "
+        "delay each decode by a bounded step (0: no cap; a step without decodes, or with "
+        "more prompts waiting than requests decoding, as at a burst's start, uses the "
+        "whole budget)", offline_default=0)
     policy: str = setting("fcfs", "fcfs, or priority: lower priority values first, then "
                           "earliest arrival", vllm=True, arg="scheduling_policy",
                           choices=("fcfs", "priority"))

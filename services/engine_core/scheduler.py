@@ -183,7 +183,10 @@ class Scheduler(BeamScheduling):
         SchedulerConfig.max_step_tokens_while_decoding)."""
         step_tokens = self.config.max_step_tokens_while_decoding
         num_decoding = sum(r.num_uncomputed_tokens == 1 for r in self.running)
-        if not step_tokens or not num_decoding:
+        # The cap trades waiting prompts' first tokens for the decodes' next ones:
+        # not while more prompts wait than requests decode (a burst's start, where
+        # the one request that came first would hold back all the others).
+        if not step_tokens or not num_decoding or len(self.waiting) > num_decoding:
             return None
         # A step costs about its token count, so bounding the count bounds every
         # decode's wait (at 64 decodes, a flat 256-token prefill cap made steps

@@ -155,19 +155,23 @@ def test_priority_policy_serves_lower_values_first_and_preempts_the_highest():
     assert reasons == {r: FinishReason.LENGTH for r in ("p0", "p1", "p2")}
 
 
-def test_steps_are_capped_while_requests_decode():
-    """With decodes, a step carries at most 10 tokens: decodes first, prompt
-    tokens in the rest, but at least 10 // 4 of them."""
-    def scheduler(cap):
-        return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                         max_step_tokens_while_decoding=cap),
-                         CacheConfig(block_size=4), 256, 128)
+def capped_scheduler(cap):
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                     max_step_tokens_while_decoding=cap),
+                     CacheConfig(block_size=4), 256, 128)
 
-    capped, uncapped = scheduler(10), scheduler(0)
+
+def test_steps_are_capped_while_requests_decode():
+    """With decodes, and no more prompts waiting than requests decoding, a step
+    carries at most 10 tokens: decodes first, prompt tokens in the rest, but at
+    least 10 // 4 of them."""
+    capped, uncapped = capped_scheduler(10), capped_scheduler(0)
+    first = {"a": (30, 100), "e": (20, 300), "f": (10, 400)}
     for s in (capped, uncapped):
-        s.add_request(request("a", 30, first_token=100))
+        for request_id, (length, token) in first.items():
+            s.add_request(request(request_id, length, max_tokens=20, first_token=token))
     so, _ = run_step(capped)
-    assert so.num_scheduled_tokens == {"a": 30}  # nobody decodes yet: the whole budget
+    assert so.num_scheduled_tokens == {"a": 30, "e": 20, "f": 10}  # nobody decodes yet
     run_step(uncapped)
     for s in (capped, uncapped):
         s.add_request(request("b", 40, max_tokens=4, first_token=500))
@@ -181,8 +185,9 @@ def test_steps_are_capped_while_requests_decode():
             outputs[name].setdefault(o.request_id, []).extend(o.new_token_ids)
         return so
 
-    assert step("capped", capped).num_scheduled_tokens == {"a": 1, "b": 9}  # 1 decode + 9
-    assert step("uncapped", uncapped).num_scheduled_tokens == {"a": 1, "b": 40, "c": 5,
+    decodes = {"a": 1, "e": 1, "f": 1}
+    assert step("capped", capped).num_scheduled_tokens == {**decodes, "b": 7}  # 3 + 7
+    assert step("uncapped", uncapped).num_scheduled_tokens == {**decodes, "b": 40, "c": 5,
                                                                "d": 6}
     prefill_grants = []
     for name, s in (("capped", capped), ("uncapped", uncapped)):
@@ -193,11 +198,31 @@ def test_steps_are_capped_while_requests_decode():
                 prefill = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
                 assert prefill <= max(10 - decodes, 2)
                 prefill_grants.append((decodes, prefill))
-    # b's last 4 with c's 5; then a, b and c decode beside d's 6.
-    assert prefill_grants[:5] == [(1, 9)] * 4 + [(3, 6)]
+    # b's other 33 in steps of 7 (its last 5 with 2 of c's); then, as b and c come
+    # to decode, c's last 3 with 3 of d's, and d's last 3.
+    assert prefill_grants[:7] == [(3, 7)] * 5 + [(4, 6), (5, 3)]
     # The same tokens come out, only later, and every block is free again.
-    assert outputs["capped"] == outputs["uncapped"] and len(outputs["capped"]) == 4
+    assert outputs["capped"] == outputs["uncapped"] and len(outputs["capped"]) == 6
     assert capped.kv_cache_manager.num_free_blocks == 128
+
+
+def test_a_burst_is_not_capped_while_more_prompts_wait_than_requests_decode():
+    """The request that came first decodes alone; the 5 that came just after it are
+    admitted with the whole budget, not 10 tokens a step behind its decodes. Once
+    as many decode as wait, steps are capped again."""
+    s = capped_scheduler(10)
+    s.add_request(request("first", 8, max_tokens=30))
+    run_step(s)
+    for i in range(5):
+        s.add_request(request(f"burst{i}", 12, max_tokens=30))
+    so, _ = run_step(s)  # 1 decodes, 5 wait: the whole budget of 64
+    assert so.num_scheduled_tokens == {"first": 1, **{f"burst{i}": 12 for i in range(5)}}
+    for i in range(4):
+        s.add_request(request(f"late{i}", 12, max_tokens=30))
+    so, _ = run_step(s)  # 6 decode, 4 wait: capped at max(10 - 6, 10 // 4) prompt tokens
+    assert sum(n for n in so.num_scheduled_tokens.values() if n > 1) == 4
+    drain(s)
+    assert s.kv_cache_manager.num_free_blocks == 128
 
 
 def test_prompts_keep_a_quarter_of_a_capped_step_when_many_decode():
