@@ -130,10 +130,13 @@ inline float softmax(float* s, int64_t len, float& top_out) {
 }
 
 // Blocks are scattered pages, and hardware prefetchers stop at page boundaries:
-// on Intel, ask for a block two ahead while this one is worked on, into L2
-// (prefetcht2; into L1, two whole blocks ahead crowd out the one in use). AMD
-// treats the hints alike, into L1, and there any of these prefetches (two blocks
-// ahead, one, a line a page) made decode slower than none: bench/NOTES.md.
+// on Intel, ask for the block kPrefetchAhead on while this one is worked on, into
+// L2 (prefetcht2; into L1, two whole blocks ahead crowd out the one in use; into
+// L2, four ahead beat two). AMD treats the hints alike, into L1, and there any of
+// these prefetches (two blocks ahead, one, a line a page) made decode slower than
+// none: bench/NOTES.md.
+constexpr int64_t kPrefetchAhead = 4;
+
 inline bool prefetches_blocks() {
   static const bool intel = __builtin_cpu_is("intel");
   return intel;
@@ -144,6 +147,28 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(block);
   for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(scalar_t)); i += 64)
     __builtin_prefetch(p + i, 0, 1);
+}
+
+// One walk over a sequence's blocks: of keys or of values.
+template <typename scalar_t>
+struct Walk {
+  const scalar_t* cache;
+  const int64_t* row;  // its block numbers
+  int64_t blocks;
+};
+
+// At block n of `walk`, asks for the one kPrefetchAhead on: in this walk, else
+// one of the first blocks of the walk after it (the values after the keys, the
+// next sequence's keys after the values), which would otherwise begin on blocks
+// nobody asked for.
+template <typename scalar_t>
+inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n,
+                           int64_t block) {
+  const int64_t ahead = n + kPrefetchAhead;
+  if (ahead < walk.blocks)
+    prefetch_block(walk.cache + walk.row[ahead] * block, block);
+  else if (ahead - walk.blocks < then.blocks)
+    prefetch_block(then.cache + then.row[ahead - walk.blocks] * block, block);
 }
 
 // block_scores for `heads` (1 to heads_per_pass) query heads, chosen at run time.
@@ -193,15 +218,18 @@ struct Scratch {
 };
 
 // Every query head of one sequence against its `len` tokens in blocks row[0],
-// row[1], ...: one walk over the key blocks and one over the value blocks.
+// row[1], ...: one walk over the key blocks and one over the value blocks; the
+// keys of the walk to follow (`next`, none when its blocks are 0) are asked for
+// while the values end.
 // Leaves per head, in s, the max score (top), the sum of exp(score - top) (sum)
 // and the value sums weighted by those (acc). A block's K (or V) of consecutive
 // KV heads is contiguous, so with all KV heads in one item a walk reads whole
 // blocks in order: from memory, 1.3-1.45x (fp32) and 1.28x (bf16) the rate of
 // one walk per KV head, 64 sequences with half their blocks adjacent.
 template <typename q_t, typename scalar_t, int BS, int D>
-void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
-            int64_t len, int64_t kv_heads, int64_t group, double scale, Scratch& s) {
+void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row, int64_t len,
+            int64_t kv_heads, int64_t group, double scale, Scratch& s,
+            const Walk<scalar_t>& next = {}) {
   constexpr int most = heads_per_pass<D>();
   const int64_t heads = kv_heads * group, num_blocks = (len + BS - 1) / BS;
   const int64_t stride = num_blocks * BS, block = kv_heads * D * BS;
@@ -212,9 +240,9 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   s.sum.resize(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
   const bool prefetch = prefetches_blocks();
+  const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
   for (int64_t n = 0; n < num_blocks; ++n) {
-    if (prefetch && n + 2 < num_blocks)
-      prefetch_block(kc + row[n + 2] * block, block);
+    if (prefetch) prefetch_ahead(keys, values, n, block);
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t g = 0; g < group; g += most)
         scores_of<scalar_t, BS, D>(std::min<int64_t>(most, group - g),
@@ -230,8 +258,7 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
     s.sum[i] = softmax(scores, stride, s.top[i]);
   }
   for (int64_t n = 0; n < num_blocks; ++n) {
-    if (prefetch && n + 2 < num_blocks)
-      prefetch_block(vc + row[n + 2] * block, block);
+    if (prefetch) prefetch_ahead(values, next, n, block);
     const int64_t valid = std::min<int64_t>(BS, len - n * BS);
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t g = 0; g < group; g += most)
@@ -246,9 +273,9 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
 // sequence.
 template <typename q_t, typename scalar_t, int BS, int D>
 void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
-                 int64_t len, int64_t kv_heads, int64_t group, double scale, q_t* out,
-                 Scratch& s) {
-  attend<q_t, scalar_t, BS, D>(q, kc, vc, row, len, kv_heads, group, scale, s);
+                 int64_t len, int64_t kv_heads, int64_t group, double scale, q_t* out, Scratch& s,
+                 const Walk<scalar_t>& next) {
+  attend<q_t, scalar_t, BS, D>(q, kc, vc, row, len, kv_heads, group, scale, s, next);
   for (int64_t i = 0; i < kv_heads * group; ++i) {
     const float inv_sum = 1.f / s.sum[i];
     for (int c = 0; c < D / 16; ++c) {
@@ -321,8 +348,15 @@ struct Decode {
       for (int64_t b; (b = next()) >= 0;)
         decode_item<q_t, scalar_t, BS, D>(x.q + b * x.q_stride, x.kc, x.vc,
                                           x.table + b * x.max_blocks, x.lens[b], x.KV, x.group,
-                                          x.scale, x.out + b * x.H * D, scratch);
+                                          x.scale, x.out + b * x.H * D, scratch, keys_of(x, b + 1));
     });
+  }
+
+  // The keys of sequence b, which a thread usually takes after b - 1 (its own
+  // range, front to back); none past the batch.
+  static Walk<scalar_t> keys_of(const Batch& x, int64_t b) {
+    if (b >= x.B) return {};
+    return {x.kc, x.table + b * x.max_blocks, (x.lens[b] + BS - 1) / BS};
   }
 
   static void chunked(const Batch& x) {
