@@ -148,7 +148,7 @@ class EngineCore:
         before the next step's, so a request that arrives while it travels (one
         stream's next request, just after the last one ended) is not held for
         its round trip."""
-        return sum(1 for s in self._in_flight if s.scheduler_output.total_num_scheduled_tokens)
+        return sum(1 for s in self._in_flight if s.scheduler_output.num_scheduled_tokens)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedules a step and sends it to the workers, then waits for the oldest
@@ -221,7 +221,7 @@ class EngineCore:
         self.num_scheduled_tokens_last_step = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.is_empty:
             return False
-        carries_tokens = scheduler_output.total_num_scheduled_tokens > 0
+        carries_tokens = self.num_scheduled_tokens_last_step > 0
         span = self._step_span(scheduler_output) if carries_tokens else None
         try:
             pending = self.executor.execute_model_async(scheduler_output)

@@ -226,9 +226,7 @@ def test_a_burst_is_not_capped_while_more_prompts_wait_than_requests_decode():
 
 
 def test_prompts_keep_a_quarter_of_a_capped_step_when_many_decode():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                  max_step_tokens_while_decoding=8),
-                  CacheConfig(block_size=4), 256, 128)
+    s = capped_scheduler(8)
     for i in range(7):
         s.add_request(request(f"short{i}", 3, max_tokens=20, first_token=100 + i))
     run_step(s)
