@@ -8,7 +8,7 @@ import pytest
 from bench import http_serving as H
 from bench.report import write_results
 from bench.report_http import PLOT_NAME, http_section
-from bench.settings import Settings
+from bench.settings import MIN_LEVEL_REQUESTS, Settings
 from bench.vllm_env import VllmEnv
 from services.worker.cpu_info import cpu_class
 
@@ -35,13 +35,13 @@ def _section(tok_s: dict[str, float]) -> dict:
 
 
 def test_client_row_is_in_seconds_and_checks_every_request():
-    row = H.client_row(_raw(4, 50.0), 4, S.level_requests(4), S.output_len)
-    assert row["ttft_p50_s"] == pytest.approx(0.4) and row["itl_p99_s"] == pytest.approx(0.04)
-    assert row["output_tok_s"] == 50.0 and row["requests"] == 4
-    with pytest.raises(RuntimeError, match="3 of 4 requests completed"):
-        H.client_row(_raw(4, 50.0, completed=3), 4, 4, S.output_len)
-    with pytest.raises(RuntimeError, match="with 15 tokens, not 16"):
-        H.client_row(_raw(4, 50.0, tokens=15), 4, 4, S.output_len)
+    row = H.client_row(_raw(8, 50.0), 8, S.level_requests(8), S.output_len)
+    assert row["ttft_p50_s"] == pytest.approx(0.8) and row["itl_p99_s"] == pytest.approx(0.04)
+    assert row["output_tok_s"] == 50.0 and row["requests"] == 8
+    with pytest.raises(RuntimeError, match="7 of 8 requests completed"):
+        H.client_row(_raw(8, 50.0, completed=7), 8, 8, S.output_len)
+    with pytest.raises(RuntimeError, match="with 31 tokens, not 32"):
+        H.client_row(_raw(8, 50.0, tokens=31), 8, 8, S.output_len)
 
 
 def test_ratios_are_llmserve_over_vllm_and_http_over_grpc():
@@ -55,9 +55,12 @@ def test_ratios_are_llmserve_over_vllm_and_http_over_grpc():
 
 
 def test_client_flags_match_the_settings():
-    argv = H.client_argv("http://h:1", "/m/SmolLM2", S, 4, warmups=2)
+    argv = H.client_argv("http://h:1", "/m/SmolLM2", S, 16, warmups=2)
     flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-    assert flag["--max-concurrency"] == "4" and flag["--num-prompts"] == "4"
+    assert flag["--max-concurrency"] == "16" and flag["--num-prompts"] == "16"
+    one = H.client_argv("http://h:1", "/m/SmolLM2", S, 1, warmups=2)
+    # One stream still sends several requests, so that its p50s are not one request's.
+    assert one[one.index("--num-prompts") + 1] == str(MIN_LEVEL_REQUESTS) != "1"
     assert flag["--random-input-len"] == "8" and flag["--random-output-len"] == "4"
     assert flag["--served-model-name"] == "SmolLM2" and flag["--num-warmups"] == "2"
     assert "--ignore-eos" in argv and flag["--temperature"] == "0"
