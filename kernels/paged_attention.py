@@ -22,7 +22,7 @@ from kernels.cpu_build import use_cpu_ops
 # What the C++ attention kernels are compiled for (csrc/paged_attention.cpp);
 # other shapes take the torch references.
 KERNEL_HEAD_DIMS = (32, 64, 96, 128)
-KERNEL_BLOCK_SIZES = (16, 32, 128)
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -53,12 +53,14 @@ def hf_model(model_dir):
 def make_engine_core(model_dir: str, kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024,
                      enable_prefix_caching: bool = True, dtype: str = "float32",
                      compile_timeout_s: float = 10.0,
-                     speculative: SpeculativeConfig | None = None, **scheduler) -> EngineCore:
+                     speculative: SpeculativeConfig | None = None, block_size: int | None = None,
+                     **scheduler) -> EngineCore:
     """An engine core (fp32 unless told) with one in-process worker."""
+    blocks = {} if block_size is None else {"block_size": block_size}
     config = EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype,
                                             max_model_len=max_model_len),
                           cache=CacheConfig(kv_cache_bytes=kv_cache_bytes,
-                                            enable_prefix_caching=enable_prefix_caching),
+                                            enable_prefix_caching=enable_prefix_caching, **blocks),
                           scheduler=dataclasses.replace(SchedulerConfig(), **scheduler),
                           structured_outputs=StructuredOutputsConfig(compile_timeout_s),
                           speculative=speculative or SpeculativeConfig())

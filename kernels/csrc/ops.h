@@ -1,6 +1,6 @@
-// The kernels' entry points (paged_attention.cpp, layers.cpp, gemv.cpp, gemm.cpp,
-// work_stealing.cpp, sampling.cpp, amx_linear.cpp, decode_layers.cpp): what ops.cpp registers as
-// torch operators, and what decode_layers.cpp calls directly.
+// The kernels' entry points (paged_attention.cpp, paged_prefill.cpp, layers.cpp, gemv.cpp,
+// gemm.cpp, work_stealing.cpp, sampling.cpp, amx_linear.cpp, decode_layers.cpp): what ops.cpp
+// registers as torch operators, and what decode_layers.cpp calls directly.
 #pragma once
 
 // ATen, here and in every kernel file, not <torch/extension.h>: the kernels use

@@ -61,7 +61,9 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache."""
 
-    block_size: int = setting(16, "tokens per KV cache block", vllm=True)
+    block_size: int = setting(
+        16, "tokens per KV cache block (the CPU's attention kernels take 16, 32, 64 or 128; "
+        "other sizes run slower torch code)", vllm=True)
     kv_cache_bytes: int = setting(1 << 30, "CPU: memory for the KV cache, in GiB",
                                   arg="kv_cache_gib", scale=1 << 30)
     gpu_memory_utilization: float = setting(

@@ -164,10 +164,13 @@ def test_without_onednn_above_the_gemv_it_takes_the_gemvs_rows_only(tmp_path):
     assert model.model.cpu_decode.max_rows == 1 and not model.model.cpu_decode.packed
 
 
-def test_one_stream_of_the_default_model_equals_transformers(model_dir, tokenizer, hf_model):
+@pytest.mark.parametrize("block_size", [None, 64], ids=["default-blocks", "blocks-of-64"])
+def test_one_stream_of_the_default_model_equals_transformers(model_dir, tokenizer, hf_model,
+                                                             block_size):
     """The worker as it sets itself up on this CPU; where its linears run our GEMV, the
-    C++ loop serves the single stream's decodes (counted)."""
-    core = make_engine_core(model_dir)
+    C++ loop serves the single stream's decodes (counted). Blocks of 64 as well: the
+    attention kernels and the loop take them too."""
+    core = make_engine_core(model_dir, block_size=block_size)
     model = core.executor.workers[0].model_runner.model
     on_gemv = isinstance(model.model.layers[0].self_attn.qkv_proj.cpu_weights, GemvForFewRows)
     assert (model.model.cpu_decode is not None) == on_gemv

@@ -28,6 +28,14 @@ def test_auto_backend_on_the_cpu_is_cpu_paged():
     assert isinstance(make_attention_backend("auto", CPU, 16, torch.float32), CpuPagedBackend)
 
 
+def test_a_block_size_the_cpu_kernels_lack_is_served_with_a_warning(caplog):
+    for block_size in (16, 32, 64, 128):
+        make_attention_backend("cpu_paged", CPU, block_size, torch.float32)
+    assert not caplog.records
+    assert isinstance(make_attention_backend("auto", CPU, 48, torch.float32), CpuPagedBackend)
+    assert "--block-size 48" in caplog.text and "16, 32, 64, 128" in caplog.text
+
+
 @pytest.mark.parametrize("name", ["flash_attn", "triton_attn"])
 def test_cuda_backends_refuse_the_cpu(name):
     with pytest.raises(ValueError, match=f"the {name} backend runs on CUDA only"):

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from kernels.paged_attention import KERNEL_BLOCK_SIZES
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.cpu_paged import CpuPagedBackend
 
@@ -21,6 +22,11 @@ def make_attention_backend(name: str, device: torch.device, block_size: int,
     if name == "auto":
         name = _auto_backend(device, block_size, dtype)
     if name == "cpu_paged":
+        if device.type == "cpu" and block_size not in KERNEL_BLOCK_SIZES:
+            # Served all the same, but a user who picked the size should know the cost.
+            logger.warning("--block-size %d: the CPU attention kernels are built for blocks of "
+                           "%s; these run the torch reference (several times slower at "
+                           "decode)", block_size, ", ".join(map(str, KERNEL_BLOCK_SIZES)))
         return CpuPagedBackend()
     if device.type != "cuda":
         raise ValueError(f"the {name} backend runs on CUDA only; use cpu_paged")

@@ -1,0 +1,261 @@
+// The paged KV cache's layout on the CPU, and what the decode and prefill
+// kernels (paged_attention.cpp, paged_prefill.cpp) share: a block's scores and
+// value sums, the softmax, the prefetch of blocks ahead, the dispatch to the
+// shapes they are compiled for.
+//
+// Layout, per layer (see kernels/paged_attention.py):
+//   key_cache   [num_blocks, kv_heads, head_dim, block_size]  (K transposed per block)
+//   value_cache [num_blocks, kv_heads, block_size, head_dim]
+// With K transposed, the scores of a whole block against one query head are
+// head_dim vertical multiply-adds over block_size lanes (one AVX-512 register of
+// 16 floats, two AVX2 ones): no horizontal reduction per token. A block's keys
+// (and its values) are contiguous across its KV heads, so a sequence's walk over
+// its blocks reads memory in order wherever its blocks are adjacent.
+//
+// Built for the host at first use (-march=native: AVX-512 or AVX2 code as the
+// CPU has it); the loops are written so the compiler vectorizes them. Decode and
+// prefill are two files so that the two cores compile their instantiations
+// (dtypes x block sizes x head dims) side by side.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "vector_math.h"
+
+namespace llmserve::paged {
+
+// The query heads of one KV head that one pass over its blocks serves: each
+// K/V vector loaded is used by all of them. Their value sums (G x D/16 vectors)
+// must stay within half the vector registers: four heads of 64 with AVX-512's 32,
+// one with AVX2's 16 (where a vf16 takes two).
+template <int D>
+constexpr int heads_per_pass() {
+  constexpr int fit = llmserve::kVectorRegisters / 2 / (D / 16 * llmserve::kRegistersPerVf16);
+  return fit >= 4 ? 4 : (fit >= 2 ? 2 : 1);
+}
+
+// Scores of G query heads (scaled, fp32, [G][D]) against a block of keys
+// [D][BS], into scores[g * stride + token]: BS/16 vectors of 16 tokens, each the
+// sum over d of q[d] * K[d][16 tokens]. A independent sums per head, so that at
+// least eight chains of multiply-adds are in flight.
+template <typename scalar_t, int BS, int D, int G>
+inline void block_scores(const float* q, const scalar_t* kblock, float* scores, int64_t stride) {
+  constexpr int A = G >= 4 ? 2 : 4;
+  for (int c = 0; c < BS; c += 16) {
+    vf16 acc[G][A] = {};
+    for (int d = 0; d < D; d += A) {
+      for (int a = 0; a < A; ++a) {
+        const vf16 k = llmserve::in_register(load16(kblock + (d + a) * BS + c));
+        for (int g = 0; g < G; ++g) acc[g][a] += q[g * D + d + a] * k;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      vf16 sum = acc[g][0];
+      for (int a = 1; a < A; ++a) sum += acc[g][a];
+      llmserve::store16(scores + g * stride + c, sum);
+    }
+  }
+}
+
+// acc[g] (D/16 vectors per head, in registers) += p[g][t] * V[t] over a block's
+// first `valid` tokens; values [BS][D], weights p[g * stride + t]. With fewer
+// than eight sums, even and odd tokens add into separate sets (P = 2), so that
+// the adds do not wait on each other.
+template <typename scalar_t, int D, int G, int P>
+inline void block_values(const float* p, int64_t stride, int64_t valid, const scalar_t* vblock,
+                         vf16 (&acc)[P][G][D / 16]) {
+  int64_t t = 0;
+  for (; t + P <= valid; t += P)
+    for (int parity = 0; parity < P; ++parity)
+      for (int c = 0; c < D / 16; ++c) {
+        const vf16 v = llmserve::in_register(load16(vblock + (t + parity) * D + c * 16));
+        for (int g = 0; g < G; ++g) acc[parity][g][c] += p[g * stride + t + parity] * v;
+      }
+  for (; t < valid; ++t)
+    for (int c = 0; c < D / 16; ++c) {
+      const vf16 v = llmserve::in_register(load16(vblock + t * D + c * 16));
+      for (int g = 0; g < G; ++g) acc[0][g][c] += p[g * stride + t] * v;
+    }
+}
+
+// Numerically stable softmax of `len` scores (a multiple of 16), in place:
+// exp(score - max); returns their sum, and the max in `top`.
+inline float softmax(float* s, int64_t len, float& top_out) {
+  vf16 top = load16(s);
+  for (int64_t t = 16; t < len; t += 16) {
+    top = llmserve::max16(load16(s + t), top);
+  }
+  float m = top[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, top[i]);
+  top_out = m;
+  vf16 sum = {};
+  for (int64_t t = 0; t < len; t += 16) {
+    const vf16 e = llmserve::fast_exp16(load16(s + t) - m);
+    llmserve::store16(s + t, e);
+    sum += e;
+  }
+  return llmserve::sum16(sum);
+}
+
+// Blocks are scattered pages, and hardware prefetchers stop at page boundaries:
+// on Intel, ask for the block kPrefetchAhead on while this one is worked on, into
+// L2 (prefetcht2; into L1, two whole blocks ahead crowd out the one in use; into
+// L2, four ahead beat two). AMD treats the hints alike, into L1, and there any of
+// these prefetches (two blocks ahead, one, a line a page) made decode slower than
+// none: bench/NOTES.md.
+constexpr int64_t kPrefetchAhead = 4;
+
+inline bool prefetches_blocks() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* block, int64_t elems) {
+  const char* p = reinterpret_cast<const char*>(block);
+  for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(scalar_t)); i += 64)
+    __builtin_prefetch(p + i, 0, 1);
+}
+
+// One walk over a sequence's blocks: of keys or of values.
+template <typename scalar_t>
+struct Walk {
+  const scalar_t* cache;
+  const int64_t* row;  // its block numbers
+  int64_t blocks;
+};
+
+// At block n of `walk`, asks for the one kPrefetchAhead on: in this walk, else
+// one of the first blocks of the walk after it (the values after the keys, the
+// next sequence's keys after the values), which would otherwise begin on blocks
+// nobody asked for.
+template <typename scalar_t>
+inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n,
+                           int64_t block) {
+  const int64_t ahead = n + kPrefetchAhead;
+  if (ahead < walk.blocks)
+    prefetch_block(walk.cache + walk.row[ahead] * block, block);
+  else if (ahead - walk.blocks < then.blocks)
+    prefetch_block(then.cache + then.row[ahead - walk.blocks] * block, block);
+}
+
+// block_scores for `heads` (1 to heads_per_pass) query heads, chosen at run time.
+template <typename scalar_t, int BS, int D>
+inline void scores_of(int64_t heads, const float* q, const scalar_t* kblock, float* scores,
+                      int64_t stride) {
+  if (heads == 1) return block_scores<scalar_t, BS, D, 1>(q, kblock, scores, stride);
+  if (heads == 2) return block_scores<scalar_t, BS, D, 2>(q, kblock, scores, stride);
+  if constexpr (heads_per_pass<D>() == 4) {
+    if (heads == 3) return block_scores<scalar_t, BS, D, 3>(q, kblock, scores, stride);
+    block_scores<scalar_t, BS, D, 4>(q, kblock, scores, stride);
+  }
+}
+
+// acc[G][D] (fp32, in memory between blocks) += p V over a block: block_values
+// with the sums in registers for the block's duration.
+template <typename scalar_t, int D, int G>
+inline void add_values(const float* p, int64_t stride, int64_t valid, const scalar_t* vblock,
+                       float* acc) {
+  constexpr int P = G * D / 16 * llmserve::kRegistersPerVf16 >= 8 ? 1 : 2;
+  vf16 sums[P][G][D / 16] = {};
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c) sums[0][g][c] = load16(acc + g * D + c * 16);
+  block_values<scalar_t, D, G, P>(p, stride, valid, vblock, sums);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c) {
+      vf16 sum = sums[0][g][c];
+      if constexpr (P == 2) sum += sums[1][g][c];
+      llmserve::store16(acc + g * D + c * 16, sum);
+    }
+}
+
+template <typename scalar_t, int D>
+inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t valid,
+                      const scalar_t* vblock, float* acc) {
+  if (heads == 1) return add_values<scalar_t, D, 1>(p, stride, valid, vblock, acc);
+  if (heads == 2) return add_values<scalar_t, D, 2>(p, stride, valid, vblock, acc);
+  if constexpr (heads_per_pass<D>() == 4) {
+    if (heads == 3) return add_values<scalar_t, D, 3>(p, stride, valid, vblock, acc);
+    add_values<scalar_t, D, 4>(p, stride, valid, vblock, acc);
+  }
+}
+
+// Per-thread buffers, grown to the longest sequence a thread meets.
+struct Scratch {
+  std::vector<float> q, scores, acc, top, sum;
+};
+
+// The block sizes and head dims the kernels are specialized for (registers and
+// loop bounds fixed at compile time); kernels/paged_attention.py lists them.
+template <template <typename, typename, int, int> class Kernel, typename q_t, typename c_t, int BS,
+          typename... Args>
+void dispatch_head_dim(int64_t head_dim, Args&... args) {
+  switch (head_dim) {
+    case 32:
+      return Kernel<q_t, c_t, BS, 32>::run(args...);
+    case 64:
+      return Kernel<q_t, c_t, BS, 64>::run(args...);
+    case 96:
+      return Kernel<q_t, c_t, BS, 96>::run(args...);
+    case 128:
+      return Kernel<q_t, c_t, BS, 128>::run(args...);
+    default:
+      TORCH_CHECK(false, "head_dim must be 32, 64, 96 or 128 for the CPU kernel");
+  }
+}
+
+template <template <typename, typename, int, int> class Kernel, typename q_t, typename c_t,
+          typename... Args>
+void dispatch_shape(int64_t block_size, int64_t head_dim, Args&... args) {
+  switch (block_size) {
+    case 16:
+      return dispatch_head_dim<Kernel, q_t, c_t, 16>(head_dim, args...);
+    case 32:
+      return dispatch_head_dim<Kernel, q_t, c_t, 32>(head_dim, args...);
+    case 64:
+      return dispatch_head_dim<Kernel, q_t, c_t, 64>(head_dim, args...);
+    case 128:
+      return dispatch_head_dim<Kernel, q_t, c_t, 128>(head_dim, args...);
+    default:
+      TORCH_CHECK(false, "block_size must be 16, 32, 64 or 128 for the CPU kernel");
+  }
+}
+
+// Kernel over (query, key_cache, ...): the query and cache in one dtype, or an
+// fp32 query (and output) over a 16-bit cache under an fp32 model.
+template <template <typename, typename, int, int> class Kernel, typename... Args>
+void dispatch_dtypes(const at::Tensor& query, const at::Tensor& key_cache, Args&... args) {
+  const int64_t block_size = key_cache.size(3), head_dim = query.size(2);
+  const auto cache_type = key_cache.scalar_type();
+  if (query.scalar_type() == cache_type) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "paged_attention", [&] {
+      dispatch_shape<Kernel, scalar_t, scalar_t>(block_size, head_dim, query, key_cache, args...);
+    });
+    return;
+  }
+  TORCH_CHECK(
+      query.scalar_type() == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf),
+      "query and cache dtypes: equal, or an fp32 query with a bf16/fp16 cache");
+  if (cache_type == at::kBFloat16)
+    dispatch_shape<Kernel, float, at::BFloat16>(block_size, head_dim, query, key_cache, args...);
+  else
+    dispatch_shape<Kernel, float, at::Half>(block_size, head_dim, query, key_cache, args...);
+}
+
+// [T, heads, D] with each token's heads contiguous, as the kernels read them (any
+// token stride).
+inline bool has_contiguous_heads(const at::Tensor& x) {
+  return x.stride(2) == 1 && x.stride(1) == x.size(2);
+}
+
+// x itself where its heads are contiguous, else a contiguous copy.
+inline at::Tensor heads_contiguous(const at::Tensor& x) {
+  return has_contiguous_heads(x) ? x : x.contiguous();
+}
+
+}  // namespace llmserve::paged

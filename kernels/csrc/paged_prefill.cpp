@@ -1,0 +1,142 @@
+// Attention over the CPU's paged KV cache for prefills (many query tokens per
+// sequence, causal), chunked ones included. The layout and the block walks it
+// shares with decodes: paged_attention.h.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ops.h"
+#include "paged_attention.h"
+#include "vector_math.h"
+#include "work_stealing.h"
+
+namespace llmserve::paged {
+namespace {
+
+// Query rows (positions x the query heads of one KV head) a prefill work item
+// serves: each K/V vector it loads from L1 is used by all of them, and its
+// scores stay within L2 for contexts of a few thousand tokens.
+constexpr int64_t kPrefillRows = 48;
+
+// One prefill work item: query positions [t0, t1) of one sequence, for the query
+// heads of KV head h, attending causally to the cache (which already holds the
+// step's own K/V): position t sees keys [0, prefix + t]. The walks are
+// decode_item's, over `rows` query rows; a row's keys past its position get
+// scores that exp() takes to 0, so every row can walk the tile's longest reach.
+template <typename q_t, typename scalar_t, int BS, int D>
+void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scalar_t* vc,
+                  const int64_t* row, int64_t prefix, int64_t t0, int64_t t1, int64_t kv_heads,
+                  int64_t group, int64_t h, double scale, q_t* out, int64_t out_stride,
+                  Scratch& s) {
+  constexpr int most = heads_per_pass<D>();
+  const int64_t rows = (t1 - t0) * group, reach = prefix + t1;
+  const int64_t num_blocks = (reach + BS - 1) / BS, stride = num_blocks * BS;
+  const int64_t block = kv_heads * D * BS, head = h * D * BS;
+  s.q.resize(rows * D);
+  s.scores.resize(rows * stride);
+  s.acc.assign(rows * D, 0.f);
+  s.top.resize(rows);
+  s.sum.resize(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const q_t* src = q + (t0 + i / group) * q_stride + (h * group + i % group) * D;
+    for (int64_t d = 0; d < D; ++d) s.q[i * D + d] = static_cast<float>(src[d]) * scale;
+  }
+  for (int64_t n = 0; n < num_blocks; ++n)
+    for (int64_t i = 0; i < rows; i += most)
+      scores_of<scalar_t, BS, D>(std::min<int64_t>(most, rows - i), s.q.data() + i * D,
+                                 kc + row[n] * block + head, s.scores.data() + i * stride + n * BS,
+                                 stride);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* scores = s.scores.data() + i * stride;
+    std::fill(scores + prefix + t0 + i / group + 1, scores + stride, -1e30f);
+    s.sum[i] = softmax(scores, stride, s.top[i]);
+  }
+  for (int64_t n = 0; n < num_blocks; ++n) {
+    const int64_t valid = std::min<int64_t>(BS, reach - n * BS);
+    for (int64_t i = 0; i < rows; i += most)
+      values_of<scalar_t, D>(std::min<int64_t>(most, rows - i),
+                             s.scores.data() + i * stride + n * BS, stride, valid,
+                             vc + row[n] * block + head, s.acc.data() + i * D);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    q_t* dst = out + (t0 + i / group) * out_stride + (h * group + i % group) * D;
+    for (int c = 0; c < D / 16; ++c)
+      llmserve::store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * (1.f / s.sum[i]));
+  }
+}
+
+struct PrefillTile {
+  int64_t seq, kv_head, t0, t1;
+};
+
+// Every sequence with more than one query token, cut into tiles of positions
+// per KV head. A tile's cost grows with its position, and parallel_for hands
+// each thread one contiguous range: taking tiles alternately from both ends of
+// the list gives every range a like share of cheap and costly ones.
+template <typename q_t, typename scalar_t, int BS, int D>
+struct Prefill {
+  static void run(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_table,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                  at::Tensor& out) {
+    const int64_t H = query.size(1), KV = key_cache.size(1), group = H / KV;
+    const int64_t positions = std::max<int64_t>(1, kPrefillRows / group);
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+    std::vector<PrefillTile> tiles;
+    for (int64_t b = 0; b < seq_lens.size(0); ++b) {
+      const int64_t q_len = starts[b + 1] - starts[b];
+      if (q_len < 2) continue;
+      for (int64_t t0 = 0; t0 < q_len; t0 += positions)
+        for (int64_t h = 0; h < KV; ++h)
+          tiles.push_back({b, h, t0, std::min(t0 + positions, q_len)});
+    }
+    // The query may be a view into the qkv projection's rows (a token stride
+    // wider than its heads): read in place, not copied first.
+    const int64_t n = tiles.size(), q_stride = query.stride(0), o_stride = out.stride(0);
+    const q_t* q = query.data_ptr<q_t>();
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    const int64_t* table = block_table.data_ptr<int64_t>();
+    q_t* o = out.data_ptr<q_t>();
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      llmserve::FlushDenormals flush;
+      Scratch scratch;
+      for (int64_t k = begin; k < end; ++k) {
+        const PrefillTile& t = tiles[k % 2 == 0 ? k / 2 : n - 1 - k / 2];
+        const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
+        prefill_item<q_t, scalar_t, BS, D>(q + starts[t.seq] * q_stride, q_stride, kc, vc,
+                                           table + t.seq * block_table.size(1), lens[t.seq] - q_len,
+                                           t.t0, t.t1, KV, group, t.kv_head, scale,
+                                           o + starts[t.seq] * o_stride, o_stride, scratch);
+      }
+    });
+  }
+};
+
+}  // namespace
+}  // namespace llmserve::paged
+
+void paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                             at::Tensor block_table, at::Tensor seq_lens,
+                             at::Tensor query_start_loc, double scale, at::Tensor out) {
+  using namespace llmserve::paged;
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(has_contiguous_heads(query) && out.is_contiguous() && out.sizes() == query.sizes() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query and out: [tokens, heads, head_dim] of one dtype, each token's heads "
+              "contiguous (out contiguous)");
+  block_table = block_table.to(at::kLong).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
+  query_start_loc = query_start_loc.to(at::kLong).contiguous();
+  TORCH_CHECK(
+      query_start_loc.size(0) == seq_lens.size(0) + 1 && block_table.size(0) == seq_lens.size(0),
+      "one block table row and seq_len per sequence, and one more query_start_loc");
+  dispatch_dtypes<Prefill>(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                           scale, out);
+}
