@@ -62,8 +62,8 @@ class CacheConfig:
     """The paged KV cache."""
 
     block_size: int = setting(
-        16, "tokens per KV cache block (the CPU's attention kernels take 16, 32, 64 or 128; "
-        "other sizes run slower torch code)", vllm=True)
+        16, "tokens per KV cache block (on the CPU the worker warns at start of a size its "
+        "attention kernels are not built for)", vllm=True)
     kv_cache_bytes: int = setting(1 << 30, "CPU: memory for the KV cache, in GiB",
                                   arg="kv_cache_gib", scale=1 << 30)
     gpu_memory_utilization: float = setting(
