@@ -1,6 +1,7 @@
 """Domain errors, and the one interceptor that turns them into gRPC status codes."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -82,10 +83,11 @@ _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Aborts the RPC with the status of any LLMServeError its handler raises
-    (and tells on_error, which counts them). It also parses requests itself: a
-    message that is not valid protobuf (bad UTF-8 in a string, say) is then
-    INVALID_ARGUMENT, where grpc's own parsing would answer INTERNAL."""
+    """Aborts the RPC with the status of any LLMServeError its handler raises, or
+    INTERNAL for any other exception (and tells on_error, which counts them). It
+    also parses requests itself: a message that is not valid protobuf (bad UTF-8
+    in a string, say) is then INVALID_ARGUMENT, where grpc's own parsing would
+    answer INTERNAL."""
 
     def __init__(self, on_error: Callable[[grpc.StatusCode], None] | None = None):
         self.on_error = on_error or (lambda code: None)
@@ -96,18 +98,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         parse = handler.request_deserializer or (lambda raw: raw)
+        end = functools.partial(_end_with_status, handler_call_details.method, self.on_error)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, parse, self.on_error),
-                None, handler.response_serializer)
+                _wrap_unary(handler.unary_unary, parse, end), None, handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, parse, self.on_error),
-                None, handler.response_serializer)
+                _wrap_stream(handler.unary_stream, parse, end), None, handler.response_serializer)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_bidi(handler.stream_stream, parse, self.on_error),
-                None, handler.response_serializer)
+                _wrap_bidi(handler.stream_stream, parse, end), None, handler.response_serializer)
         return handler  # stream-unary: no service has one
 
 
@@ -118,30 +118,48 @@ def _parse(parse: Callable[[bytes], Any], raw: bytes) -> Any:
         raise InvalidArgument("request", f"is not a valid message: {e}") from None
 
 
-def _wrap_unary(behavior, parse: Callable[[bytes], Any],
-                on_error: Callable[[grpc.StatusCode], None]):
+# Ends a call of one method with an exception's status (see _end_with_status).
+_End = Callable[[Exception, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+async def _end_with_status(method: str, on_error: Callable[[grpc.StatusCode], None],
+                           e: Exception, context: grpc.aio.ServicerContext) -> None:
+    """Ends the call with e's status: an LLMServeError's, a failed downstream call's
+    own; anything else is a bug, INTERNAL, logged with its traceback (gRPC alone
+    would answer UNKNOWN and log nothing, and no metric would count it)."""
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        e = from_rpc_error(e)
+    if isinstance(e, LLMServeError):
+        code, message = e.code, str(e)
+    else:
+        logger.error("internal error in %s", method, exc_info=e)
+        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+    on_error(code)
+    await context.abort(code, message)
+
+
+def _wrap_unary(behavior, parse: Callable[[bytes], Any], end: _End):
     async def wrapper(raw: bytes, context: grpc.aio.ServicerContext):
         try:
             return await behavior(_parse(parse, raw), context)
-        except LLMServeError as e:
-            on_error(e.code)
-            await context.abort(e.code, str(e))
+        except grpc.aio.AbortError:
+            raise  # the call already ended with a status the handler chose
+        except Exception as e:
+            await end(e, context)
 
     return wrapper
 
 
-def _wrap_stream(behavior, parse: Callable[[bytes], Any],
-                 on_error: Callable[[grpc.StatusCode], None]):
+def _wrap_stream(behavior, parse: Callable[[bytes], Any], end: _End):
     async def wrapper(raw: bytes, context: grpc.aio.ServicerContext):
         async for response in _responses_or_abort(
-                lambda: behavior(_parse(parse, raw), context), context, on_error):
+                lambda: behavior(_parse(parse, raw), context), context, end):
             yield response
 
     return wrapper
 
 
-def _wrap_bidi(behavior, parse: Callable[[bytes], Any],
-               on_error: Callable[[grpc.StatusCode], None]):
+def _wrap_bidi(behavior, parse: Callable[[bytes], Any], end: _End):
     """Each request is parsed as the handler reads it: a bad one ends the call
     with INVALID_ARGUMENT, raised where the handler reads."""
     async def wrapper(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
@@ -150,18 +168,18 @@ def _wrap_bidi(behavior, parse: Callable[[bytes], Any],
                 yield _parse(parse, raw)
 
         async for response in _responses_or_abort(
-                lambda: behavior(requests(), context), context, on_error):
+                lambda: behavior(requests(), context), context, end):
             yield response
 
     return wrapper
 
 
 async def _responses_or_abort(responses: Callable[[], AsyncIterator[Any]],
-                              context: grpc.aio.ServicerContext,
-                              on_error: Callable[[grpc.StatusCode], None]):
+                              context: grpc.aio.ServicerContext, end: _End):
     try:
         async for response in responses():
             yield response
-    except LLMServeError as e:
-        on_error(e.code)
-        await context.abort(e.code, str(e))
+    except grpc.aio.AbortError:
+        raise
+    except Exception as e:
+        await end(e, context)

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+import grpc
 from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector,
                                start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -167,6 +168,18 @@ def _otlp_meter(service_name: str):
                              metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
     _otlp_providers.append(provider)
     return provider.get_meter("llmserve")
+
+
+def rpc_error_counter(metrics: ServiceMetrics, service: str) -> Callable[[grpc.StatusCode], None]:
+    """The on_error of an internal service's server (engine core, worker): counts
+    its RPCs that ended with an error status, by code (the frontend counts its
+    public API's in request_errors). INTERNAL's series is there from the start,
+    so a dashboard's error panel shows 0, not "No data"."""
+    errors = metrics.counter(
+        "llmserve:rpc_errors", "RPCs this service ended with an error status, by gRPC "
+        "code name (INTERNAL: a bug, its traceback in the service's log).", ["service", "code"])
+    errors.labels(service=service, code="INTERNAL")
+    return lambda code: errors.labels(service=service, code=code.name).inc()
 
 
 def shutdown_otlp_metrics() -> None:

@@ -50,10 +50,12 @@ async def serve(args: argparse.Namespace) -> None:
     executor = GrpcExecutor(worker_addresses, tls)
     await asyncio.to_thread(executor.wait_ready, 120.0)
     core = await asyncio.to_thread(EngineCore, config, executor)
-    engine = EngineLoop(core, _metrics(args, core))
+    metrics = _metrics(args, core)
+    engine = EngineLoop(core, metrics)
     servicer = EngineCoreServicer(engine)
     server = ServiceServer(SERVICE_NAME,
                            lambda s: engine_core_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s),
+                           on_error=metrics and metrics.count_rpc_error,
                            drainable=engine, drain_timeout_s=args.drain_timeout, tls=tls)
     await server.start(args.host, args.port, args.port_file, args.health_port)
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from services.common.metrics import Reading, ScrapedMetric, ServiceMetrics, exponential_buckets
+from services.common.metrics import (Reading, ScrapedMetric, ServiceMetrics, exponential_buckets,
+                                     rpc_error_counter)
 from services.common.request_types import EngineInfo, EngineStats
 
 _STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -47,6 +48,7 @@ class EngineCoreMetrics:
                              "num_kv_blocks": str(info.num_kv_blocks)}
         self._read_stats = read_stats
         metrics.read_when_scraped(_SCRAPED, self._readings)
+        self.count_rpc_error = rpc_error_counter(metrics, "engine-core")
         self.step_time = metrics.histogram(
             "llmserve:engine_step_duration_seconds",
             "Seconds per engine step: schedule, execute on the workers, update "

@@ -40,10 +40,12 @@ async def serve(args: argparse.Namespace, runner: MainThreadRunner,
                 stopping: "asyncio.Future[asyncio.Event]") -> None:
     worker = Worker(rank=args.rank, pinned=args.cpu_cores is not None)
     # Ready (health of the Worker service) once the engine core has loaded the model.
-    servicer = WorkerServicer(worker, run=runner.run, metrics=_metrics(args, worker),
+    metrics = _metrics(args, worker)
+    servicer = WorkerServicer(worker, run=runner.run, metrics=metrics,
                               on_ready=lambda: server.set_ready())
     server = ServiceServer(SERVICE_NAME,
                            lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+                           on_error=metrics and metrics.count_rpc_error,
                            tls=tls_from_args(args), ready_at_start=False)
     await server.start(args.host, args.port, args.port_file, args.health_port)
     stop = asyncio.Event()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from services.common.metrics import Reading, ScrapedMetric, ServiceMetrics
+from services.common.metrics import (Reading, ScrapedMetric, ServiceMetrics,
+                                     rpc_error_counter)
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.worker import Worker
 
@@ -19,6 +20,7 @@ _INFO_LABELS = ["rank", "world_size", "pipeline_stage", "device", "dtype", "weig
 class WorkerMetrics:
     def __init__(self, metrics: ServiceMetrics, worker: Worker):
         self.worker = worker
+        self.count_rpc_error = rpc_error_counter(metrics, "worker")
         rank = {"rank": str(worker.rank)}
         self._rank = rank
         self.forward_time = metrics.histogram(

@@ -94,6 +94,13 @@ def test_metrics_count_what_was_sent_and_gauges_return_to_zero(stack, otlp):
             list(client.generate(prompt="x", max_tokens=4, top_p=7.0))
     assert requests.post(f"http://{frontend_http}/v1/completions",
                          json={"prompt": "x", "max_tokens": -1}, timeout=10).status_code == 400
+    # A message that is not one, to each internal service (it fails before any handler).
+    for service, method in (("engine-core", "/llmserve.engine.v1.EngineCore/GetStats"),
+                            ("worker", "/llmserve.worker.v1.Worker/RemoveLora")):
+        with grpc.insecure_channel(address(stack, service)) as channel, \
+                pytest.raises(grpc.RpcError) as bad:
+            channel.unary_unary(method)(b"\xff\xff", timeout=10)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wait_all_blocks_free(stack)
     after = {name: scrape(addr) for name, addr in ports.items()}
 
@@ -111,6 +118,11 @@ def test_metrics_count_what_was_sent_and_gauges_return_to_zero(stack, otlp):
     assert delta("frontend", "llmserve:request_errors_total", api="grpc",
                  code="INVALID_ARGUMENT") == 1
     assert delta("frontend", "llmserve:request_errors_total", api="http", code="400") == 1
+    for service in ("engine-core", "worker"):
+        assert delta(service, "llmserve:rpc_errors_total", code="INVALID_ARGUMENT") == 1
+        internal = [v for (n, labels), v in after[service].items()
+                    if n == "llmserve:rpc_errors_total" and ("code", "INTERNAL") in labels]
+        assert internal == [0], internal  # there from the start, and no bug met
     # Every token computed once: the prompts (no prefix shared) and the decodes.
     assert delta("engine-core", "llmserve:iteration_tokens_total_sum") == \
         sent_prompt + sent_generated - 3

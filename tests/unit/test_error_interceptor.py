@@ -14,9 +14,23 @@ from tests.unit.aio_server_thread import aio_server_thread
 Request = worker_pb2.AddLoraRequest  # any message with a number and a string
 
 
+class _DownstreamError(grpc.RpcError):
+    """What a failed call to another service raises (grpc.aio.AioRpcError's interface)."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the worker is gone"
+
+
 async def unary(request, context):
     if request.lora_id == 0:
         raise NotFound("adapter 0 is not loaded")
+    if request.lora_id == 500:
+        raise KeyError("a bug")
+    if request.lora_id == 503:
+        raise _DownstreamError()
     return request
 
 
@@ -91,3 +105,20 @@ def test_bytes_that_are_not_a_request_are_invalid_argument(kind):
         # The server goes on serving.
         assert channel.unary_unary("/t.T/U", Request.SerializeToString, Request.FromString)(
             Request(lora_id=3), timeout=10).lora_id == 3
+
+
+def test_a_bug_is_internal_logged_and_counted_and_a_downstream_status_passes(caplog):
+    """A handler's unexpected exception: INTERNAL (gRPC alone answered UNKNOWN, and
+    logged nothing), its traceback in the log, counted; a failed call to another
+    service ends the call with that call's status."""
+    with served() as (address, codes), grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/t.T/U", Request.SerializeToString, Request.FromString)
+        e = status_of(lambda: call(Request(lora_id=500), timeout=10))
+        assert e.code() == grpc.StatusCode.INTERNAL and "KeyError" in e.details()
+        e = status_of(lambda: call(Request(lora_id=503), timeout=10))
+        assert (e.code(), e.details()) == (grpc.StatusCode.UNAVAILABLE, "the worker is gone")
+        assert codes == [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE]
+        assert call(Request(lora_id=3), timeout=10).lora_id == 3
+    logged = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(logged) == 1 and "KeyError" in logged[0].exc_text
+    assert logged[0].getMessage() == "internal error in /t.T/U"
