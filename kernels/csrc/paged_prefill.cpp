@@ -12,7 +12,6 @@
 #include "ops.h"
 #include "paged_attention.h"
 #include "vector_math.h"
-#include "work_stealing.h"
 
 namespace llmserve::paged {
 namespace {
@@ -24,9 +23,10 @@ constexpr int64_t kPrefillRows = 48;
 
 // One prefill work item: query positions [t0, t1) of one sequence, for the query
 // heads of KV head h, attending causally to the cache (which already holds the
-// step's own K/V): position t sees keys [0, prefix + t]. The walks are
-// decode_item's, over `rows` query rows; a row's keys past its position get
-// scores that exp() takes to 0, so every row can walk the tile's longest reach.
+// step's own K/V): position t sees keys [0, prefix + t]. The walks are a
+// decode's (attend, paged_attention.cpp), over `rows` query rows; a row's keys
+// past its position get scores that exp() takes to 0, so every row can walk the
+// tile's longest reach.
 template <typename q_t, typename scalar_t, int BS, int D>
 void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scalar_t* vc,
                   const int64_t* row, int64_t prefix, int64_t t0, int64_t t1, int64_t kv_heads,
