@@ -1,6 +1,6 @@
 """The CPU backend's paged KV cache: its layout, writing new tokens' K/V, and
 attention over it (decodes, and causal prefills). C++ kernels
-(csrc/paged_attention.cpp) when they could be built, and the pure-torch
+(csrc/paged_attention.cpp, paged_prefill.cpp) when they could be built, and the pure-torch
 references they are tested against. The references ship because they also
 serve: they run where the kernels do not (CUDA tensors without flash-attn,
 head dims and block sizes the kernels are not compiled for, no compiler).
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from kernels.cpu_build import use_cpu_ops
 
-# What the C++ attention kernels are compiled for (csrc/paged_attention.cpp);
-# other shapes take the torch references.
+# What the C++ attention kernels are compiled for (the dispatch in
+# csrc/paged_attention.h); other shapes take the torch references.
 KERNEL_HEAD_DIMS = (32, 64, 96, 128)
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
 
