@@ -4,14 +4,15 @@
 // its 8 x 48 sums in 24 AVX-512 registers; each step loads three vectors of the
 // panel and broadcasts one value of each row (outer products, no horizontal
 // sums). A thread keeps a panel in L2 while every row tile of the step passes
-// over it, so the weights stream from memory once a call, in one sequential
-// stream per thread.
+// over it, and meanwhile asks for the next, so the weights stream from memory
+// once a call, in one sequential stream per thread, behind the arithmetic.
 //
 // Why not oneDNN's prepacked product, as vLLM-CPU uses: on the decode steps'
-// shapes (tens of rows, N of 576-3072) it ran at 70-85% of this CPU's fp32 peak
-// with the weights in memory, against ~93% here, and ~95% of it with them in
-// cache (bench/NOTES.md). Built for AVX-512: without it 24 sums do not fit the
-// 16 AVX2 registers, and the worker does not choose this kernel there.
+// shapes (tens of rows, N of 576-3072) it ran at 70-85% of an AMD EPYC's fp32
+// peak with the weights in memory, against ~93% here, and ~95% of it with them
+// in cache; on an Intel Xeon MKL's pack ran at 75-90% of this kernel's rate from
+// 2 to 512 rows (bench/NOTES.md). Built for AVX-512: without it 24 sums do not
+// fit the 16 AVX2 registers, and the worker does not choose this kernel there.
 //
 // gemm_silu_and_mul multiplies by an MLP's gate_up weight and applies the
 // activation tile by tile, gate's panel and up's in turn, so the product (twice
@@ -35,16 +36,38 @@ constexpr int64_t kPanel = 48;  // output columns a panel holds: three vectors
 constexpr int kVectors = kPanel / 16;
 constexpr int kTileRows = 8;  // 8 x 3 sums: 24 of the 32 vector registers
 
+// The part of the next panel (K x 48 floats) that the t-th of `tiles` row tiles
+// of this one prefetches into L2: lines [from, from + lines), spread evenly over
+// the tile's K steps at `rate` lines a step (in 1/65536ths). The next panel is
+// the one this thread most likely takes next (the next of its range,
+// work_stealing.h). Without it a panel's first tile waited on memory: with the
+// weights out of cache our GEMM ran at 70% of its in-cache rate (bench/NOTES.md).
+struct Prefetch {
+  const char* from = nullptr;
+  int64_t rate = 0;
+};
+
+Prefetch prefetch_part(const float* next, int64_t K, int64_t t, int64_t tiles) {
+  if (next == nullptr) return {};
+  const int64_t lines = K * kPanel * sizeof(float) / 64;
+  const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
+  return {reinterpret_cast<const char*>(next) + first * 64, ((last - first) << 16) / K};
+}
+
 // c[r][0:48] = a[r] . panel for MR rows; c's rows are ldc apart.
 template <int MR>
-void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc) {
+void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
+          Prefetch pf) {
   vf16 acc[MR][kVectors] = {};
   for (int64_t k = 0; k < K; ++k) {
+    if (pf.from != nullptr) __builtin_prefetch(pf.from + ((k * pf.rate) >> 16) * 64, 0, 2);
     const float* b = panel + k * kPanel;
     const vf16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const vf16 x = vf16{} + a[r * lda + k];
+      // A float, not a vf16: GCC then broadcasts it from memory (a load) where
+      // `vf16{} + x` cost an add and a register broadcast on the FMA ports.
+      const float x = a[r * lda + k];
       acc[r][0] += x * b0;
       acc[r][1] += x * b1;
       acc[r][2] += x * b2;
@@ -54,22 +77,23 @@ void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, 
     for (int v = 0; v < kVectors; ++v) store16(c + r * ldc + 16 * v, acc[r][v]);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, Prefetch);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
                                           tile<5>, tile<6>, tile<7>, tile<8>};
 
 // Rows [r0, r1) of x against panel p, in tiles of at most kTileRows rows of near
 // equal size (64 rows: eight of 8; 20 rows: 7, 7, 6). The last panel may hold
 // fewer than 48 real columns (zeros after them): its tiles go through a buffer.
-void panel_rows(const float* x, int64_t K, const float* panel, int64_t r0, int64_t r1,
-                float* y, int64_t N, int64_t col) {
+void panel_rows(const float* x, int64_t K, const float* panel, const float* next, int64_t r0,
+                int64_t r1, float* y, int64_t N, int64_t col) {
   const int64_t cols = std::min(kPanel, N - col);
   const int64_t tiles = (r1 - r0 + kTileRows - 1) / kTileRows;
   float buffer[kTileRows * kPanel];
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = (r1 - r0) / (tiles - t);
     float* out = cols == kPanel ? y + r0 * N + col : buffer;
-    kTiles[rows](x + r0 * K, K, panel, K, out, cols == kPanel ? N : kPanel);
+    kTiles[rows](x + r0 * K, K, panel, K, out, cols == kPanel ? N : kPanel,
+                 prefetch_part(next, K, t, tiles));
     for (int64_t r = 0; cols < kPanel && r < rows; ++r)
       std::copy(buffer + r * kPanel, buffer + r * kPanel + cols, y + (r0 + r) * N + col);
     r0 += rows;
@@ -81,14 +105,16 @@ void panel_rows(const float* x, int64_t K, const float* panel, int64_t r0, int64
 // W): both tiles and the product stay in L1, so gate_up's product, twice the
 // output, never goes through memory (bench/NOTES.md). The same sums and the
 // same silu as gemm then silu_and_mul, so the same bits.
-void gated_panel_rows(const float* x, int64_t K, const float* gate, const float* up,
+void gated_panel_rows(const float* x, int64_t K, const float* gate, const float* up, bool last,
                       int64_t r0, int64_t r1, float* y, int64_t n, int64_t col) {
   const int64_t tiles = (r1 - r0 + kTileRows - 1) / kTileRows;
   float g[kTileRows * kPanel], u[kTileRows * kPanel];
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = (r1 - r0) / (tiles - t);
-    kTiles[rows](x + r0 * K, K, gate, K, g, kPanel);
-    kTiles[rows](x + r0 * K, K, up, K, u, kPanel);
+    const float* next_gate = last ? nullptr : gate + K * kPanel;
+    const float* next_up = last ? nullptr : up + K * kPanel;
+    kTiles[rows](x + r0 * K, K, gate, K, g, kPanel, prefetch_part(next_gate, K, t, tiles));
+    kTiles[rows](x + r0 * K, K, up, K, u, kPanel, prefetch_part(next_up, K, t, tiles));
     for (int64_t r = 0; r < rows; ++r) {
       float* gr = g + r * kPanel;
       llmserve::silu(gr, kPanel);
@@ -149,7 +175,9 @@ at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n) {
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
-    panel_rows(xp, K, wp + p * K * kPanel, r0, r1, yp, n, p * kPanel);
+    const float* panel = wp + p * K * kPanel;
+    panel_rows(xp, K, panel, p + 1 < panels ? panel + K * kPanel : nullptr, r0, r1, yp, n,
+               p * kPanel);
   });
   return y;
 }
@@ -171,8 +199,8 @@ at::Tensor gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t n) {
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
-    gated_panel_rows(xp, K, wp + p * K * kPanel, wp + (p + panels) * K * kPanel, r0, r1, yp,
-                     half, p * kPanel);
+    gated_panel_rows(xp, K, wp + p * K * kPanel, wp + (p + panels) * K * kPanel, p + 1 == panels,
+                     r0, r1, yp, half, p * kPanel);
   });
   return y;
 }

@@ -19,6 +19,11 @@ using llmserve::load16;
 using llmserve::vf16;
 
 constexpr int kMaxRows = 8;
+// How far ahead of its loads a thread asks for its weights, into L2: with the
+// hardware prefetchers alone a pass over the weights read them well below the
+// rate a copy reaches, 16-bit ones most (bench/NOTES.md). Near the end of a
+// thread's rows the requests run into the next thread's, read anyway.
+constexpr int kPrefetchBytes = 16384;
 
 // Independent sums per row along K for M rows: two vf16 where the registers hold
 // them and two vf16 of weights (always with AVX-512; up to 3 rows with AVX2),
@@ -43,6 +48,8 @@ inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int6
   vf16 acc[M][S] = {};
   int64_t k = 0;
   for (; k + 16 * S <= K; k += 16 * S) {
+    const char* ahead = reinterpret_cast<const char*>(wrow + k) + kPrefetchBytes;
+    for (int b = 0; b < int(16 * S * sizeof(w_t)); b += 64) __builtin_prefetch(ahead + b, 0, 2);
     vf16 w[S];
     for (int s = 0; s < S; ++s) w[s] = load16(wrow + k + 16 * s);
     for (int m = 0; m < M; ++m)

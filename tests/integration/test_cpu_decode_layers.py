@@ -118,7 +118,7 @@ PACKED_GEMM_CASES = {
                          ids=["packed-gemm", "mkl", "mixed"])
 @pytest.mark.parametrize("case", PACKED_GEMM_CASES)
 def test_the_cpp_loop_multiplies_by_packed_weights_as_python_does(case, many, tmp_path):
-    """fp32's paths on AVX-512: our packed GEMM off Intel, MKL's pack on Intel (MKL
+    """fp32's packed paths: our GEMM with AVX-512, MKL's pack on Intel without it (MKL
     computes on any x86 CPU, so both run here); C++ tells the three packed kinds apart."""
     if many is not PackedGemmWeights and not mkl_packing_available():
         pytest.skip("this torch has no MKL")

@@ -282,18 +282,20 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
         assert torch.equal(model.a(x[:rows]), model.a.bias.expand(rows, -1)), rows
 
 
-@pytest.mark.parametrize("intel,avx512", [(True, True), (False, True), (False, False)])
-def test_fp32_takes_mkl_on_intel_our_gemm_with_avx512_and_onednn_elsewhere(monkeypatch, intel,
+@pytest.mark.parametrize("intel,avx512",
+                         [(True, True), (False, True), (True, False), (False, False)])
+def test_fp32_takes_our_gemm_with_avx512_mkl_on_intel_and_onednn_elsewhere(monkeypatch, intel,
                                                                           avx512):
-    """MKL runs generic code on other vendors' CPUs; there our packed GEMM beat oneDNN at
-    every row count measured, where it has AVX-512's registers. On an Intel Xeon MKL's
-    pack beat our GEMM from 4 rows on (bench/NOTES.md). Our GEMV in front of each."""
+    """Our packed GEMM beat oneDNN on an AMD EPYC and MKL's pack on an Intel Xeon from 2
+    rows on, where it has AVX-512's registers; without them MKL on Intel, and oneDNN
+    elsewhere (MKL runs generic code on other vendors' CPUs; bench/NOTES.md). Our
+    GEMV in front of each."""
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
     monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
-    if intel:
-        want = "MKL prepacked" if torch.backends.mkl.is_available() else "F.linear"
-    elif avx512:
+    if avx512:
         want = PACKED_GEMM_PATH
+    elif intel:
+        want = "MKL prepacked" if torch.backends.mkl.is_available() else "F.linear"
     else:
         want = "oneDNN prepacked" if torch.backends.mkldnn.is_available() else "F.linear"
     assert choose.fp32_path() == want
@@ -350,26 +352,29 @@ def test_built_without_avx512_our_gemv_takes_the_rows_of_one_pass(monkeypatch, a
 
 @pytest.mark.skipif(not (mkl_packing_available() and cpu_ops_available()),
                     reason="needs torch's MKL and our kernels")
-@pytest.mark.parametrize("avx512,rows", [(True, GEMV_MAX_ROWS), (False, GEMV_ROWS_WITHOUT_AVX512)])
-def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, avx512, rows):
-    """On an Intel Xeon our GEMV on a 16-bit copy of the weights beat MKL's pack of the
-    fp32 ones at every row count it takes, 1 to 8, and our fp32 GEMV lost to that pack
-    from two rows on (bench/NOTES.md). Built for AVX2, up to the 6 rows of one pass
-    (at 8 MKL's pack won)."""
+@pytest.mark.parametrize("avx512,rows,many",
+                         [(True, GEMV_MAX_ROWS, PackedGemmWeights),
+                          (False, GEMV_ROWS_WITHOUT_AVX512, MKLPackedWeights)])
+def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, avx512, rows, many):
+    """On an Intel Xeon our GEMV on a 16-bit copy of the weights beat the fp32 path, our
+    packed GEMM, at every row count it takes, 1 to 8 (bench/NOTES.md). Built for AVX2,
+    the fp32 path is MKL's pack, which it beat up to the 6 rows of one pass (at 8 MKL's
+    pack won)."""
     monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: avx512)
+    monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: True)
-    assert fp32_path() == "MKL prepacked" and weight_dtype_max_rows() == rows
+    assert weight_dtype_max_rows() == rows
     weight = torch.randn(32, 64)
     sixteen = sixteen_bit_weights(weight, torch.bfloat16)
     assert isinstance(sixteen, GemvForFewRows) and sixteen.max_rows == rows
     fp32 = sixteen.many
     assert isinstance(fp32, GemvForFewRows) and fp32.max_rows == 1
-    assert isinstance(fp32.many, MKLPackedWeights)
+    assert isinstance(fp32.many, many)
     x = torch.randn(rows + 1, 64)
     # Up to its rows, the 16-bit copy's product.
     torch.testing.assert_close(sixteen(x[:rows]), x[:rows] @ weight.bfloat16().float().T,
                                rtol=1e-5, atol=1e-5)
-    # Past its rows, MKL's pack of the fp32 weight: the fp32 product.
+    # Past its rows, the fp32 path on the fp32 weight: the fp32 product.
     torch.testing.assert_close(sixteen(x), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 

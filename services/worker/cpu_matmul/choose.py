@@ -7,8 +7,8 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
   of the weights for up to weight_dtype_max_rows() rows, the fp32 path above;
 - with kernels built without AVX-512, our GEMV for at most 6 rows (gemv_rows);
-- fp32 on Intel CPUs: MKL prepacked; on other CPUs with AVX-512: our GEMM on
-  weights we pack; on the rest: oneDNN prepacked (MKL runs generic code paths
+- fp32 on CPUs with AVX-512: our GEMM on weights we pack; on Intel CPUs without
+  it: MKL prepacked; on the rest: oneDNN prepacked (MKL runs generic code paths
   off Intel); our GEMV in front of each for one row (two before oneDNN);
 - otherwise F.linear.
 """
@@ -24,6 +24,7 @@ from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
 from services.worker.cpu_matmul.gemm import (GEMV_OVER_PACKED_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
+                                             SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              PackedGemmWeights, packed_gemm_available,
                                              packed_weights_on_huge_pages)
 from services.worker.cpu_matmul.gemv import (GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
@@ -97,7 +98,8 @@ def weight_dtype_max_rows() -> int:
     as many as its GEMV beats this CPU's fp32 path at (bench/NOTES.md)."""
     path = fp32_path()
     if path == PACKED_GEMM_PATH:
-        return gemv_rows(SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
+        return gemv_rows(SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL if cpu_is_intel()
+                         else SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
     if path == MKL_PACKED_PATH:
         return gemv_rows(SIXTEEN_BIT_GEMV_OVER_MKL_ROWS)
     return gemv_rows(GEMV_OVER_FP32_ROWS)
@@ -122,10 +124,10 @@ def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
 
 def fp32_path() -> str:
     """Which of fp32_weights' paths this CPU takes."""
+    if packed_gemm_available():
+        return PACKED_GEMM_PATH
     if cpu_is_intel() and mkl_packing_available():
         return MKL_PACKED_PATH
-    if not cpu_is_intel() and packed_gemm_available():
-        return PACKED_GEMM_PATH
     if not cpu_is_intel() and torch.backends.mkldnn.is_available():
         return ONEDNN_PACKED_PATH
     return "F.linear"

@@ -1,24 +1,28 @@
 """Our GEMM kernel (kernels/csrc/gemm.cpp) on fp32 weights packed once into panels
-of 48 output columns: the fp32 path on AVX-512 CPUs off Intel, for every step
-above the GEMV's row, in place of oneDNN's prepacked product, which it beat on
-the model's shapes from 2 to 256 rows and about matched at 2,048 (bench/NOTES.md).
-On an MLP's gate_up weight it also applies the activation inside the product
-(fused_silu_and_mul)."""
+of 48 output columns: the fp32 path on CPUs with AVX-512, for every step above
+the GEMV's row, in place of oneDNN's prepacked product (which it beat on the
+model's shapes from 2 to 256 rows on an AMD EPYC, and about matched at 2,048)
+and of MKL's (which it beat from 2 to 512 rows on an Intel Xeon, and about
+matched at 2,048; bench/NOTES.md). On an MLP's gate_up weight it also applies
+the activation inside the product (fused_silu_and_mul)."""
 from __future__ import annotations
 
 import torch
 
 from kernels.cpu_build import kernels_built_for_avx512
-from services.worker.cpu_matmul.gemv import GemvForFewRows
+from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS, GemvForFewRows
 from services.worker.host_memory import onto_huge_pages
 
 # Up to this many rows our GEMV on the fp32 weights keeps up with the packed
-# GEMM (one row: a tie; two: the GEMM 11% faster).
+# GEMM (one row: a tie; two: the GEMM 11% faster on an AMD EPYC, a tie on an
+# Intel Xeon).
 GEMV_OVER_PACKED_GEMM_ROWS = 1
 # Up to this many rows our GEMV on a 16-bit copy of the weights (`--weight-dtype`)
-# beats the packed GEMM on the fp32 ones: at two rows it won in one process and
-# lost in another, at three it tied or lost.
+# beats the packed GEMM on the fp32 ones: on an AVX-512 AMD EPYC at two rows it
+# won in one process and lost in another, at three it tied or lost (the rule off
+# Intel); on an Intel Xeon it won at every row count it takes (bench/NOTES.md).
 SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS = 1
+SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL = GEMV_MAX_ROWS
 
 
 class PackedGemmWeights:

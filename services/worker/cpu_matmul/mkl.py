@@ -1,4 +1,5 @@
-"""fp32 on Intel CPUs: MKL with the weight packed once (cblas_sgemm_pack,
+"""fp32 on Intel CPUs where our kernels lack AVX-512 (kernels/csrc/gemm.cpp needs
+its registers): MKL with the weight packed once (cblas_sgemm_pack,
 torch's `_mkl_linear`, what inductor's freezing uses on the CPU), for every row
 count our GEMV leaves it (bench/NOTES.md). The packed copy costs as much memory
 as the weights."""
