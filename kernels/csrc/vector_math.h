@@ -94,13 +94,13 @@ inline vf16 load16(const c10::BFloat16* p) {
   return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
 }
 
-// fp16 through the CPU's conversion instruction.
+// fp16 through the CPU's conversion instruction, by name: where the CPU has
+// AVX512-FP16, GCC 12 compiles __builtin_convertvector from 16 halves into 16
+// scalar conversions, and an fp16 GEMV ran 4x slower than a bf16 one
+// (bench/NOTES.md).
 template <>
 inline vf16 load16(const c10::Half* p) {
-  typedef _Float16 vh16 __attribute__((vector_size(32), aligned(2)));
-  vh16 half;
-  std::memcpy(&half, p, sizeof(half));
-  return __builtin_convertvector(half, vf16);
+  return (vf16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #else
 inline vf8 widen8(const c10::BFloat16* p) {
@@ -114,12 +114,17 @@ inline vf8 widen8(const c10::BFloat16* p) {
   return v;
 }
 
-// fp16 through F16C's conversion instruction (part of every AVX2 CPU).
+// fp16 through F16C's conversion instruction (part of every AVX2 CPU), by name
+// as with AVX-512 above.
 inline vf8 widen8(const c10::Half* p) {
+#if defined(__F16C__)
+  return (vf8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
   typedef _Float16 vh8 __attribute__((vector_size(16), aligned(2)));
   vh8 half;
   std::memcpy(&half, p, sizeof(half));
   return __builtin_convertvector(half, vf8);
+#endif
 }
 
 template <>
