@@ -1,11 +1,11 @@
-// y = x W^T in fp32 for any number of rows of x, on weights packed once into
-// panels of 48 output columns: panel p holds W[48p : 48p + 48, :] transposed,
-// [K][48], front to back. A tile of up to 8 rows of x walks one panel along K,
-// its 8 x 48 sums in 24 AVX-512 registers; each step loads three vectors of the
-// panel and broadcasts one value of each row (outer products, no horizontal
-// sums). A thread keeps a panel in L2 while every row tile of the step passes
-// over it, and meanwhile asks for the next, so the weights stream from memory
-// once a call, in one sequential stream per thread, behind the arithmetic.
+// y = x W^T for any number of rows of x, on weights packed once into panels of
+// 48 output columns: panel p holds W[48p : 48p + 48, :] transposed, [K][48],
+// front to back, in the weight's dtype (fp32, bf16 or fp16; fp32 sums always). A tile of up to 8
+// rows of x walks one panel along K, its 8 x 48 sums in 24 AVX-512 registers; each step loads three
+// vectors of the panel and broadcasts one value of each row (outer products, no horizontal sums). A
+// thread keeps a panel in L2 while every row tile of the step passes over it, and meanwhile asks
+// for the next, so the weights stream from memory once a call, in one sequential stream per thread,
+// behind the arithmetic.
 //
 // Why not oneDNN's prepacked product, as vLLM-CPU uses: on the decode steps'
 // shapes (tens of rows, N of 576-3072) it ran at 70-85% of an AMD EPYC's fp32
@@ -18,10 +18,12 @@
 // activation tile by tile, gate's panel and up's in turn, so the product (twice
 // the MLP's width) is never written out and read back.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "vector_math.h"
 #include "work_stealing.h"
@@ -36,22 +38,50 @@ constexpr int64_t kPanel = 48;  // output columns a panel holds: three vectors
 constexpr int kVectors = kPanel / 16;
 constexpr int kTileRows = 8;  // 8 x 3 sums: 24 of the 32 vector registers
 
-// The part of the next panel (K x 48 floats) that the t-th of `tiles` row tiles
-// of this one prefetches into L2: lines [from, from + lines), spread evenly over
-// the tile's K steps at `rate` lines a step (in 1/65536ths). The next panel is
-// the one this thread most likely takes next (the next of its range,
-// work_stealing.h). Without it a panel's first tile waited on memory: with the
-// weights out of cache our GEMM ran at 70% of its in-cache rate (bench/NOTES.md).
+// The panel a thread most likely takes after this one (the next of its range,
+// work_stealing.h), as stored: K x 48 of the weight's dtype; none after the last.
+struct NextPanel {
+  const char* start = nullptr;
+  int64_t bytes = 0;
+};
+
+template <typename T>
+NextPanel next_panel(const T* panel, int64_t K, bool last) {
+  if (last) return {};
+  return {reinterpret_cast<const char*>(panel + K * kPanel), int64_t(K * kPanel * sizeof(T))};
+}
+
+// The part of the next panel that the t-th of `tiles` row tiles of this one
+// prefetches into L2: lines [from, from + lines), spread evenly over the tile's
+// K steps at `rate` lines a step (in 1/65536ths). Without it a panel's first
+// tile waited on memory: with the weights out of cache our GEMM ran at 70% of
+// its in-cache rate (bench/NOTES.md).
 struct Prefetch {
   const char* from = nullptr;
   int64_t rate = 0;
 };
 
-Prefetch prefetch_part(const float* next, int64_t K, int64_t t, int64_t tiles) {
-  if (next == nullptr) return {};
-  const int64_t lines = K * kPanel * sizeof(float) / 64;
+Prefetch prefetch_part(NextPanel next, int64_t K, int64_t t, int64_t tiles) {
+  if (next.start == nullptr) return {};
+  const int64_t lines = next.bytes / 64;
   const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
-  return {reinterpret_cast<const char*>(next) + first * 64, ((last - first) << 16) / K};
+  return {next.start + first * 64, ((last - first) << 16) / K};
+}
+
+// A panel as the tiles read it, fp32: itself, or a 16-bit one widened once into
+// this thread's scratch `slot`, where every row tile then reads it from L2. The
+// sums are fp32 either way: a 16-bit model's products are the fp32 path's, on
+// the weights it holds (oneDNN's bf16 product ran at about half this kernel's
+// rate on an Intel Xeon without AMX; bench/NOTES.md).
+template <typename T>
+const float* fp32_panel(const T* panel, int64_t K, int slot) {
+  if constexpr (std::is_same_v<T, float>) {
+    return panel;
+  } else {
+    float* out = llmserve::scratch(slot, K * kPanel);
+    llmserve::widen(panel, out, K * kPanel);
+    return out;
+  }
 }
 
 // c[r][0:48] = a[r] . panel for MR rows; c's rows are ldc apart.
@@ -84,7 +114,7 @@ constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, ti
 // Rows [r0, r1) of x against panel p, in tiles of at most kTileRows rows of near
 // equal size (64 rows: eight of 8; 20 rows: 7, 7, 6). The last panel may hold
 // fewer than 48 real columns (zeros after them): its tiles go through a buffer.
-void panel_rows(const float* x, int64_t K, const float* panel, const float* next, int64_t r0,
+void panel_rows(const float* x, int64_t K, const float* panel, NextPanel next, int64_t r0,
                 int64_t r1, float* y, int64_t N, int64_t col) {
   const int64_t cols = std::min(kPanel, N - col);
   const int64_t tiles = (r1 - r0 + kTileRows - 1) / kTileRows;
@@ -103,21 +133,27 @@ void panel_rows(const float* x, int64_t K, const float* panel, const float* next
 // silu(x W_gate^T) * (x W_up^T) for rows [r0, r1), on the 48 output columns at
 // `col` of gate panel `gate` and up panel `up` (the same columns of each half of
 // W): both tiles and the product stay in L1, so gate_up's product, twice the
-// output, never goes through memory (bench/NOTES.md). The same sums and the
-// same silu as gemm then silu_and_mul, so the same bits.
-void gated_panel_rows(const float* x, int64_t K, const float* gate, const float* up, bool last,
-                      int64_t r0, int64_t r1, float* y, int64_t n, int64_t col) {
+// output, never goes through memory (bench/NOTES.md). The same sums, the same
+// silu and, for a 16-bit model, the same roundings to T as gemm then
+// silu_and_mul (layers.cpp), so the same bits.
+template <typename T>
+void gated_panel_rows(const float* x, int64_t K, const float* gate, const float* up,
+                      NextPanel next_gate, NextPanel next_up, int64_t r0, int64_t r1, float* y,
+                      int64_t n, int64_t col) {
   const int64_t tiles = (r1 - r0 + kTileRows - 1) / kTileRows;
   float g[kTileRows * kPanel], u[kTileRows * kPanel];
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = (r1 - r0) / (tiles - t);
-    const float* next_gate = last ? nullptr : gate + K * kPanel;
-    const float* next_up = last ? nullptr : up + K * kPanel;
     kTiles[rows](x + r0 * K, K, gate, K, g, kPanel, prefetch_part(next_gate, K, t, tiles));
     kTiles[rows](x + r0 * K, K, up, K, u, kPanel, prefetch_part(next_up, K, t, tiles));
+    // gemm's output is T, so silu_and_mul's input was rounded to it, and its
+    // activation is before the product (which the caller narrows to T).
+    llmserve::round_to<T>(g, rows * kPanel);
+    llmserve::round_to<T>(u, rows * kPanel);
     for (int64_t r = 0; r < rows; ++r) {
       float* gr = g + r * kPanel;
       llmserve::silu(gr, kPanel);
+      llmserve::round_to<T>(gr, kPanel);
       float* out = y + (r0 + r) * n + col;
       for (int v = 0; v < kVectors; ++v)
         store16(out + 16 * v, load16(gr + 16 * v) * load16(u + r * kPanel + 16 * v));
@@ -143,64 +179,94 @@ void for_panels_and_rows(int64_t panels, int64_t M, Fn&& fn) {
   });
 }
 
+// y = x W^T, x [M, K] fp32 into y [M, n] fp32, on packed panels of T.
+template <typename T>
+void gemm_impl(const float* x, int64_t M, int64_t K, const T* w, int64_t panels, float* y,
+               int64_t n) {
+  for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
+    const T* panel = w + p * K * kPanel;
+    panel_rows(x, K, fp32_panel(panel, K, 0), next_panel(panel, K, p + 1 == panels), r0, r1, y, n,
+               p * kPanel);
+  });
+}
+
+// silu_and_mul of x W^T into y [M, n / 2], for a gate_up weight of n rows whose
+// halves are whole panels; fp32 in and out.
+template <typename T>
+void gemm_silu_and_mul_impl(const float* x, int64_t M, int64_t K, const T* w, int64_t n, float* y) {
+  const int64_t half = n / 2, panels = half / kPanel;
+  for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
+    const T* gate = w + p * K * kPanel;
+    const T* up = w + (p + panels) * K * kPanel;
+    const bool last = p + 1 == panels;
+    gated_panel_rows<T>(x, K, fp32_panel(gate, K, 0), fp32_panel(up, K, 1),
+                        next_panel(gate, K, last), next_panel(up, K, last), r0, r1, y, half,
+                        p * kPanel);
+  });
+}
+
+bool packable(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
+void check_packed(const at::Tensor& x, const at::Tensor& packed, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(1) == x.size(1) &&
+                  packed.size(2) == kPanel && x.scalar_type() == packed.scalar_type() &&
+                  packable(x.scalar_type()),
+              name, ": x [M, K] and pack_gemm_weight's panels of a [n, K] weight, of one dtype ",
+              "(fp32, bf16 or fp16)");
+}
+
 }  // namespace
 
+// weight [N, K] (fp32, bf16 or fp16) -> [panels, K, 48] of its dtype, zeros after
+// its last row.
 at::Tensor pack_gemm_weight(at::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "pack_gemm_weight: an fp32 [N, K] weight");
-  weight = weight.contiguous();
+  TORCH_CHECK(weight.dim() == 2 && packable(weight.scalar_type()),
+              "pack_gemm_weight: an fp32, bf16 or fp16 [N, K] weight");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
   auto packed = at::zeros({panels, K, kPanel}, weight.options());
-  const float* w = weight.data_ptr<float>();
-  float* out = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n)
-        for (int64_t k = 0; k < K; ++k) out[(p * K + k) * kPanel + n % kPanel] = w[n * K + k];
-  });
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t rows = std::min(N, (p + 1) * kPanel) - p * kPanel;
+    packed[p].narrow(1, 0, rows).copy_(weight.narrow(0, p * kPanel, rows).t());
+  }
   return packed;
 }
 
-// x: [M, K] fp32; packed: pack_gemm_weight's [panels, K, 48]; n: W's rows.
+// x: [M, K] of the packed weight's dtype; packed: pack_gemm_weight's [panels, K,
+// 48]; n: W's rows -> [M, n] in x's dtype (16-bit: the fp32 sums rounded once).
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 &&
-                  packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
-                  packed.size(0) == (n + kPanel - 1) / kPanel,
-              "gemm: fp32 x [M, K] and pack_gemm_weight's panels of a [n, K] weight");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  auto y = at::empty({M, n}, x.options());
-  if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
-    const float* panel = wp + p * K * kPanel;
-    panel_rows(xp, K, panel, p + 1 < panels ? panel + K * kPanel : nullptr, r0, r1, yp, n,
-               p * kPanel);
-  });
-  return y;
+  check_packed(x, packed, "gemm");
+  TORCH_CHECK(packed.size(0) == (n + kPanel - 1) / kPanel, "gemm: pack_gemm_weight's panels of a ",
+              "weight of ", n, " rows are ", (n + kPanel - 1) / kPanel, ", not ", packed.size(0));
+  const auto x32 = x.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, n}, x32.options());
+  if (M > 0) {
+    AT_DISPATCH_V2(packed.scalar_type(), "gemm", AT_WRAP([&] {
+                     gemm_impl(x32.data_ptr<float>(), M, K, packed.data_ptr<scalar_t>(),
+                               packed.size(0), y.data_ptr<float>(), n);
+                   }),
+                   at::kFloat, at::kBFloat16, at::kHalf);
+  }
+  return y.to(x.scalar_type());
 }
 
 // silu_and_mul(gemm(x, packed, n)) in one pass, for a gate_up weight [n, K] whose
 // halves (gate, then up) are whole panels: [M, n / 2].
 at::Tensor gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 &&
-                  packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
-                  n % (2 * kPanel) == 0 && packed.size(0) == n / kPanel,
-              "gemm_silu_and_mul: fp32 x [M, K] and pack_gemm_weight's panels of a [n, K] "
-              "weight whose halves are multiples of ",
-              kPanel, " rows");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), half = n / 2, panels = half / kPanel;
-  auto y = at::empty({M, half}, x.options());
-  if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for_panels_and_rows(panels, M, [&](int64_t p, int64_t r0, int64_t r1) {
-    gated_panel_rows(xp, K, wp + p * K * kPanel, wp + (p + panels) * K * kPanel, p + 1 == panels,
-                     r0, r1, yp, half, p * kPanel);
-  });
-  return y;
+  check_packed(x, packed, "gemm_silu_and_mul");
+  TORCH_CHECK(n % (2 * kPanel) == 0 && packed.size(0) == n / kPanel,
+              "gemm_silu_and_mul: a [n, K] weight whose halves are multiples of ", kPanel, " rows");
+  const auto x32 = x.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, n / 2}, x32.options());
+  if (M > 0) {
+    AT_DISPATCH_V2(packed.scalar_type(), "gemm_silu_and_mul", AT_WRAP([&] {
+                     gemm_silu_and_mul_impl(x32.data_ptr<float>(), M, K,
+                                            packed.data_ptr<scalar_t>(), n, y.data_ptr<float>());
+                   }),
+                   at::kFloat, at::kBFloat16, at::kHalf);
+  }
+  return y.to(x.scalar_type());
 }

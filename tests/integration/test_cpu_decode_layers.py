@@ -114,18 +114,22 @@ PACKED_GEMM_CASES = {
 }
 
 
-@pytest.mark.parametrize("many", [PackedGemmWeights, MKLPackedWeights, MIXED],
-                         ids=["packed-gemm", "mkl", "mixed"])
+@pytest.mark.parametrize("many,dtype", [(PackedGemmWeights, torch.float32),
+                                        (MKLPackedWeights, torch.float32),
+                                        (MIXED, torch.float32),
+                                        (PackedGemmWeights, torch.bfloat16)],
+                         ids=["packed-gemm", "mkl", "mixed", "packed-gemm-bf16"])
 @pytest.mark.parametrize("case", PACKED_GEMM_CASES)
-def test_the_cpp_loop_multiplies_by_packed_weights_as_python_does(case, many, tmp_path):
+def test_the_cpp_loop_multiplies_by_packed_weights_as_python_does(case, many, dtype, tmp_path):
     """fp32's packed paths: our GEMM with AVX-512, MKL's pack on Intel without it (MKL
-    computes on any x86 CPU, so both run here); C++ tells the three packed kinds apart."""
+    computes on any x86 CPU, so both run here); and our GEMM on a bf16 model's weights
+    (Intel without AMX). C++ tells the three packed kinds apart."""
     if many is not PackedGemmWeights and not mkl_packing_available():
         pytest.skip("this torch has no MKL")
-    model = _tiny(PACKED_GEMM_CASES[case](), tmp_path, many=many)
+    model = _tiny(PACKED_GEMM_CASES[case](), tmp_path, dtype, many=many)
     assert model.use_cpu_decode_layers()
     assert model.model.cpu_decode.max_rows == ANY_ROWS
-    _decode_steps(model, torch.float32)
+    _decode_steps(model, dtype)
 
 
 @pytest.mark.parametrize("config", [

@@ -1,7 +1,8 @@
 """Which strategy each linear layer gets, chosen once per model from its dtype
 and this CPU (the measurements behind each rule: bench/NOTES.md):
 
-- bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above;
+- bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above; on
+  Intel CPUs without it: our GEMM on the bf16 weights, our GEMV for few rows;
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
   single streams (one or two rows);
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
@@ -22,7 +23,8 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
-from services.worker.cpu_matmul.gemm import (GEMV_OVER_PACKED_GEMM_ROWS,
+from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_PACKED_GEMM_ROWS,
+                                             GEMV_OVER_PACKED_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              PackedGemmWeights, packed_gemm_available,
@@ -65,6 +67,8 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
 def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make | None, str]:
     if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
         return _amx_or_onednn, f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
+    if dtype == torch.bfloat16 and cpu_is_intel() and packed_gemm_available():
+        return bf16_weights, PACKED_GEMM_PATH
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         return onednn_weights, ONEDNN_PACKED_PATH
     if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
@@ -91,6 +95,12 @@ def _amx_or_onednn(weight: torch.Tensor) -> MatmulStrategy:
 def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
     """oneDNN-prepacked W, read by our GEMV at up to GEMV_OVER_ONEDNN_ROWS rows."""
     return with_gemv(weight, gemv_rows(GEMV_OVER_ONEDNN_ROWS), OneDNNWeights(weight))
+
+
+def bf16_weights(weight: torch.Tensor) -> MatmulStrategy:
+    """A bf16 model's W, packed in bf16 for our GEMM (fp32 sums), read by our GEMV at
+    up to BF16_GEMV_OVER_PACKED_GEMM_ROWS rows."""
+    return with_gemv(weight, gemv_rows(BF16_GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
 
 
 def weight_dtype_max_rows() -> int:

@@ -1,10 +1,12 @@
-"""Our GEMM kernel (kernels/csrc/gemm.cpp) on fp32 weights packed once into panels
-of 48 output columns: the fp32 path on CPUs with AVX-512, for every step above
-the GEMV's row, in place of oneDNN's prepacked product (which it beat on the
-model's shapes from 2 to 256 rows on an AMD EPYC, and about matched at 2,048)
-and of MKL's (which it beat from 2 to 512 rows on an Intel Xeon, and about
-matched at 2,048; bench/NOTES.md). On an MLP's gate_up weight it also applies
-the activation inside the product (fused_silu_and_mul)."""
+"""Our GEMM kernel (kernels/csrc/gemm.cpp) on weights packed once into panels of
+48 output columns: the fp32 path on CPUs with AVX-512, for every step above the
+GEMV's row, in place of oneDNN's prepacked product (which it beat on the model's
+shapes from 2 to 256 rows on an AMD EPYC, and about matched at 2,048) and of
+MKL's (which it beat from 2 to 512 rows on an Intel Xeon, and about matched at
+2,048); and a bf16 model's path on Intel CPUs without AMX, on its bf16 weights
+with fp32 sums, where oneDNN's bf16 product ran at 0.6-0.7x its rate from 8 to
+2,048 rows (bench/NOTES.md). On an MLP's gate_up weight it also applies the
+activation inside the product (fused_silu_and_mul)."""
 from __future__ import annotations
 
 import torch
@@ -23,10 +25,14 @@ GEMV_OVER_PACKED_GEMM_ROWS = 1
 # Intel); on an Intel Xeon it won at every row count it takes (bench/NOTES.md).
 SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS = 1
 SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL = GEMV_MAX_ROWS
+# A bf16 model's own weights: our GEMV read them faster than the packed GEMM at
+# every row count it takes (Intel Xeon, bench/NOTES.md).
+BF16_GEMV_OVER_PACKED_GEMM_ROWS = GEMV_MAX_ROWS
 
 
 class PackedGemmWeights:
-    """x W^T for fp32 x, through our GEMM kernel on W packed in panels."""
+    """x W^T for x of W's dtype (fp32, bf16 or fp16), through our GEMM kernel on W
+    packed in panels."""
 
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]
