@@ -42,7 +42,8 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
     """Each way we know to compute x W^T on this CPU, as a maker of x -> x W^T for
     a weight: F.linear, W packed once by oneDNN (what vLLM-CPU runs), by MKL
     (inductor's freezing; read at every row count, as the engine runs it above our
-    GEMV's one row) or by us for our GEMM kernel (fp32, AVX-512), and, for a few
+    GEMV's one row) or by us for our GEMM kernel (AVX-512; fp32 sums of any
+    dtype), and, for a few
     rows, our GEMV kernel reading W as it is. Which is fastest depends on the CPU: MKL runs
     generic code on non-Intel ones."""
     from kernels.cpu_build import cpu_ops_available
@@ -56,7 +57,7 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
         paths["oneDNN prepacked"] = OneDNNWeights
     if dtype == torch.float32 and mkl_packing_available():
         paths["MKL prepacked"] = MKLPackedWeights
-    if dtype == torch.float32 and packed_gemm_available():
+    if packed_gemm_available():
         paths[PACKED_GEMM_PATH] = PackedGemmWeights
     if cpu_ops_available():
         paths[GEMV_PATH] = lambda w: lambda x: torch.ops.llmserve.gemv(x, w)
