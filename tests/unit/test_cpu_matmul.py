@@ -268,7 +268,7 @@ def test_sixteen_bit_models_take_this_cpus_path():
 @pytest.mark.parametrize("intel,amx,avx512", [(True, False, True), (True, True, True),
                                               (False, False, True), (True, False, False)])
 def test_bf16_models_take_our_gemm_on_intel_without_amx(monkeypatch, intel, amx, avx512):
-    """On an Intel Xeon without AMX oneDNN's bf16 product ran at 0.6-0.7x our GEMM's on
+    """On an Intel Xeon without AMX oneDNN's bf16 product ran at 0.61-0.76x our GEMM's on
     the same bf16 weights, and our GEMV beat that GEMM up to 8 rows (bench/NOTES.md).
     AMX keeps its kernel; other vendors keep oneDNN (not measured there)."""
     if not onednn_native(torch.bfloat16):

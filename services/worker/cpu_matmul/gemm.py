@@ -4,8 +4,8 @@ GEMV's row, in place of oneDNN's prepacked product (which it beat on the model's
 shapes from 2 to 256 rows on an AMD EPYC, and about matched at 2,048) and of
 MKL's (which it beat from 2 to 512 rows on an Intel Xeon, and about matched at
 2,048); and a bf16 model's path on Intel CPUs without AMX, on its bf16 weights
-with fp32 sums, where oneDNN's bf16 product ran at 0.6-0.7x its rate from 8 to
-2,048 rows (bench/NOTES.md). On an MLP's gate_up weight it also applies the
+with fp32 sums, where oneDNN's bf16 product ran at 0.61-0.76x its rate from 8
+to 2,048 rows (bench/NOTES.md). On an MLP's gate_up weight it also applies the
 activation inside the product (fused_silu_and_mul)."""
 from __future__ import annotations
 
