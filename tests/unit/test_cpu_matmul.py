@@ -10,11 +10,12 @@ from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul import choose, matmul
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, pack_amx_weight
 from services.worker.cpu_matmul.choose import (MKL_PACKED_PATH, ONEDNN_PACKED_PATH,
-                                               PACKED_GEMM_PATH, fp32_path, sixteen_bit_weights,
-                                               weight_dtype_max_rows)
+                                               PACKED_GEMM_PATH, fp32_gemv_rows, fp32_path,
+                                               sixteen_bit_weights, weight_dtype_max_rows)
 from services.worker.cpu_matmul import gemm as gemm_module
-from services.worker.cpu_matmul.gemm import (GEMV_OVER_PACKED_GEMM_ROWS, PackedGemmWeights,
-                                             packed_gemm_available)
+from services.worker.cpu_matmul.gemm import (GEMV_OVER_PACKED_GEMM_ROWS,
+                                             GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
+                                             PackedGemmWeights, packed_gemm_available)
 from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_FP32_ROWS,
@@ -310,9 +311,7 @@ def test_fp32_models_use_this_cpus_prepacked_weights_for_any_row_count():
     # the weight itself.
     weights, gemv_limit = model.a.cpu_weights, 0
     if isinstance(weights, GemvForFewRows):  # where the kernels are built
-        gemv_limit = gemv_rows({PACKED_GEMM_PATH: GEMV_OVER_PACKED_GEMM_ROWS,
-                                MKL_PACKED_PATH: GEMV_OVER_MKL_ROWS,
-                                ONEDNN_PACKED_PATH: GEMV_OVER_ONEDNN_ROWS}[fp32_path()])
+        gemv_limit = fp32_gemv_rows()
         assert weights.max_rows == gemv_limit
         assert weights.gemv_weight.data_ptr() == model.a.weight.data_ptr()  # no copy
         weights = weights.many
@@ -354,6 +353,11 @@ def test_fp32_takes_our_gemm_with_avx512_mkl_on_intel_and_onednn_elsewhere(monke
     if many is not None and cpu_ops_available():
         assert isinstance(model.a.cpu_weights, GemvForFewRows)
         assert isinstance(model.a.cpu_weights.many, many)
+        # Our GEMV's rows in front: up to 8 before our GEMM on Intel (measured there).
+        rows = {PACKED_GEMM_PATH: GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL if intel
+                else GEMV_OVER_PACKED_GEMM_ROWS, MKL_PACKED_PATH: GEMV_OVER_MKL_ROWS,
+                ONEDNN_PACKED_PATH: GEMV_OVER_ONEDNN_ROWS}[want]
+        assert model.a.cpu_weights.max_rows == gemv_rows(rows)
 
 
 def test_the_path_name_says_which_layers_our_gemv_skips():
@@ -413,7 +417,7 @@ def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, avx5
     sixteen = sixteen_bit_weights(weight, torch.bfloat16)
     assert isinstance(sixteen, GemvForFewRows) and sixteen.max_rows == rows
     fp32 = sixteen.many
-    assert isinstance(fp32, GemvForFewRows) and fp32.max_rows == 1
+    assert isinstance(fp32, GemvForFewRows) and fp32.max_rows == fp32_gemv_rows()
     assert isinstance(fp32.many, many)
     x = torch.randn(rows + 1, 64)
     # Up to its rows, the 16-bit copy's product.

@@ -10,7 +10,8 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 - with kernels built without AVX-512, our GEMV for at most 6 rows (gemv_rows);
 - fp32 on CPUs with AVX-512: our GEMM on weights we pack; on Intel CPUs without
   it: MKL prepacked; on the rest: oneDNN prepacked (MKL runs generic code paths
-  off Intel); our GEMV in front of each for one row (two before oneDNN);
+  off Intel); our GEMV in front of each for one row (two before oneDNN, up to
+  eight before our GEMM on Intel: fp32_gemv_rows);
 - otherwise F.linear.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
 from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS,
+                                             GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              PackedGemmWeights, packed_gemm_available,
@@ -124,12 +126,23 @@ def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
     """The fastest x W^T for an fp32 weight on this CPU."""
     path = fp32_path()
     if path == MKL_PACKED_PATH:
-        return with_gemv(weight, gemv_rows(GEMV_OVER_MKL_ROWS), MKLPackedWeights(weight))
+        return with_gemv(weight, fp32_gemv_rows(), MKLPackedWeights(weight))
     if path == PACKED_GEMM_PATH:
-        return with_gemv(weight, gemv_rows(GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
+        return with_gemv(weight, fp32_gemv_rows(), PackedGemmWeights(weight))
     if path == ONEDNN_PACKED_PATH:
         return onednn_weights(weight)
     return FLinear(weight)
+
+
+def fp32_gemv_rows() -> int:
+    """How many rows our GEMV takes in front of this CPU's fp32 path (bench/NOTES.md)."""
+    path = fp32_path()
+    if path == PACKED_GEMM_PATH:
+        return gemv_rows(GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL if cpu_is_intel()
+                         else GEMV_OVER_PACKED_GEMM_ROWS)
+    if path == MKL_PACKED_PATH:
+        return gemv_rows(GEMV_OVER_MKL_ROWS)
+    return gemv_rows(GEMV_OVER_ONEDNN_ROWS)
 
 
 def fp32_path() -> str:

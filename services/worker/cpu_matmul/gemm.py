@@ -16,9 +16,12 @@ from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS, GemvForFewRows
 from services.worker.host_memory import onto_huge_pages
 
 # Up to this many rows our GEMV on the fp32 weights keeps up with the packed
-# GEMM (one row: a tie; two: the GEMM 11% faster on an AMD EPYC, a tie on an
-# Intel Xeon).
+# GEMM: on an AMD EPYC one row tied and at two the GEMM was 11% faster (the rule
+# off Intel); on an Intel Xeon, with the GEMV's prefetch, one and two rows tied
+# and the GEMV won from three to eight, and offline batches of 4 ran 20% faster
+# with it (bench/NOTES.md).
 GEMV_OVER_PACKED_GEMM_ROWS = 1
+GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL = GEMV_MAX_ROWS
 # Up to this many rows our GEMV on a 16-bit copy of the weights (`--weight-dtype`)
 # beats the packed GEMM on the fp32 ones: on an AVX-512 AMD EPYC at two rows it
 # won in one process and lost in another, at three it tied or lost (the rule off
