@@ -108,13 +108,9 @@ def bf16_weights(weight: torch.Tensor) -> MatmulStrategy:
 def weight_dtype_max_rows() -> int:
     """The most rows a step may have for `--weight-dtype` to act on it on this CPU:
     as many as its GEMV beats this CPU's fp32 path at (bench/NOTES.md)."""
-    path = fp32_path()
-    if path == PACKED_GEMM_PATH:
-        return gemv_rows(SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL if cpu_is_intel()
-                         else SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
-    if path == MKL_PACKED_PATH:
-        return gemv_rows(SIXTEEN_BIT_GEMV_OVER_MKL_ROWS)
-    return gemv_rows(GEMV_OVER_FP32_ROWS)
+    return _rows_before_fp32_path((SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
+                                   SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL),
+                                  SIXTEEN_BIT_GEMV_OVER_MKL_ROWS, GEMV_OVER_FP32_ROWS)
 
 
 def sixteen_bit_weights(weight: torch.Tensor, weight_dtype: torch.dtype) -> MatmulStrategy:
@@ -136,13 +132,17 @@ def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
 
 def fp32_gemv_rows() -> int:
     """How many rows our GEMV takes in front of this CPU's fp32 path (bench/NOTES.md)."""
+    return _rows_before_fp32_path((GEMV_OVER_PACKED_GEMM_ROWS, GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL),
+                                  GEMV_OVER_MKL_ROWS, GEMV_OVER_ONEDNN_ROWS)
+
+
+def _rows_before_fp32_path(packed_gemm: tuple[int, int], mkl: int, other: int) -> int:
+    """The rows a GEMV takes before this CPU's fp32 path, as measured against it: our
+    packed GEMM (off Intel, on Intel), MKL's pack, or the rest; capped by gemv_rows."""
     path = fp32_path()
     if path == PACKED_GEMM_PATH:
-        return gemv_rows(GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL if cpu_is_intel()
-                         else GEMV_OVER_PACKED_GEMM_ROWS)
-    if path == MKL_PACKED_PATH:
-        return gemv_rows(GEMV_OVER_MKL_ROWS)
-    return gemv_rows(GEMV_OVER_ONEDNN_ROWS)
+        return gemv_rows(packed_gemm[cpu_is_intel()])
+    return gemv_rows(mkl if path == MKL_PACKED_PATH else other)
 
 
 def fp32_path() -> str:
