@@ -1,11 +1,12 @@
 // y = x W^T for any number of rows of x, on weights packed once into panels of
 // 48 output columns: panel p holds W[48p : 48p + 48, :] transposed, [K][48],
-// front to back, in the weight's dtype (fp32, bf16 or fp16; fp32 sums always). A tile of up to 8
-// rows of x walks one panel along K, its 8 x 48 sums in 24 AVX-512 registers; each step loads three
-// vectors of the panel and broadcasts one value of each row (outer products, no horizontal sums). A
-// thread keeps a panel in L2 while every row tile of the step passes over it, and meanwhile asks
-// for the next, so the weights stream from memory once a call, in one sequential stream per thread,
-// behind the arithmetic.
+// front to back, in the weight's dtype (fp32, bf16 or fp16; fp32 sums always).
+// A tile of up to 8 rows of x walks one panel along K, its 8 x 48 sums in 24
+// AVX-512 registers; each step loads three vectors of the panel and broadcasts
+// one value of each row (outer products, no horizontal sums). A thread keeps a
+// panel in L2 while every row tile of the step passes over it, and meanwhile
+// asks for the next, so the weights stream from memory once a call, in one
+// sequential stream per thread, behind the arithmetic.
 //
 // Why not oneDNN's prepacked product, as vLLM-CPU uses: on the decode steps'
 // shapes (tens of rows, N of 576-3072) it ran at 70-85% of an AMD EPYC's fp32
@@ -225,12 +226,9 @@ at::Tensor pack_gemm_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && packable(weight.scalar_type()),
               "pack_gemm_weight: an fp32, bf16 or fp16 [N, K] weight");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto packed = at::zeros({panels, K, kPanel}, weight.options());
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t rows = std::min(N, (p + 1) * kPanel) - p * kPanel;
-    packed[p].narrow(1, 0, rows).copy_(weight.narrow(0, p * kPanel, rows).t());
-  }
-  return packed;
+  // Zero rows up to whole panels, then each panel's 48 rows transposed, in one copy.
+  const auto padded = at::constant_pad_nd(weight, {0, 0, 0, panels * kPanel - N});
+  return padded.reshape({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
 // x: [M, K] of the packed weight's dtype; packed: pack_gemm_weight's [panels, K,
