@@ -4,9 +4,9 @@
 // A tile of up to 8 rows of x walks one panel along K, its 8 x 48 sums in 24
 // AVX-512 registers; each step loads three vectors of the panel and broadcasts
 // one value of each row (outer products, no horizontal sums). A thread keeps a
-// panel in L2 while every row tile of the step passes over it, and meanwhile
-// asks for the next, so the weights stream from memory once a call, in one
-// sequential stream per thread, behind the arithmetic.
+// panel in L2 while every row tile of a block of up to 256 rows passes over it,
+// and meanwhile asks for the next, so the weights stream from memory once a
+// block, in one sequential stream per thread, behind the arithmetic.
 //
 // Why not oneDNN's prepacked product, as vLLM-CPU uses: on the decode steps'
 // shapes (tens of rows, N of 576-3072) it ran at 70-85% of an AMD EPYC's fp32
@@ -163,19 +163,28 @@ void gated_panel_rows(const float* x, int64_t K, const float* gate, const float*
   }
 }
 
-// Work items: a panel (of `panels`) and a group of rows. Row groups only where
-// the panels alone are too few to keep every thread busy (N of 576 is 12
-// panels). Stealing, not a static split: a thread that loses its core to another
-// process for a while no longer holds the other at the end of every product.
+// Rows a block holds at most: a block's rows of x stay in L2 while every panel
+// passes over them. Above ~512 rows x left L2 and a panel's tiles read it from
+// L3: 2,048-row products (a prefill step) ran 8-12% slower than the same rows
+// in blocks of 256 (bench/NOTES.md).
+constexpr int64_t kBlockRows = 256;
+
+// Work items: a block of rows, a panel (of `panels`) and a group of that block's
+// rows, block by block. Row groups only where the panels alone are too few to
+// keep every thread busy (N of 576 is 12 panels). Stealing, not a static split:
+// a thread that loses its core to another process for a while no longer holds
+// the other at the end of every product.
 template <typename Fn>
 void for_panels_and_rows(int64_t panels, int64_t M, Fn&& fn) {
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+  const int64_t tiles = (M / blocks + kTileRows - 1) / kTileRows;
   const int64_t groups = std::clamp<int64_t>(2 * at::get_num_threads() / panels, 1, tiles);
-  llmserve::parallel_for_stealing(panels * groups, [&](auto& next) {
+  llmserve::parallel_for_stealing(blocks * panels * groups, [&](auto& next) {
     llmserve::FlushDenormals flush;
     for (int64_t item; (item = next()) >= 0;) {
-      const int64_t p = item / groups, g = item % groups;
-      fn(p, M * g / groups, M * (g + 1) / groups);
+      const int64_t b = item / (panels * groups), p = item / groups % panels, g = item % groups;
+      const int64_t b0 = M * b / blocks, rows = M * (b + 1) / blocks - b0;
+      fn(p, b0 + rows * g / groups, b0 + rows * (g + 1) / groups);
     }
   });
 }

@@ -49,12 +49,12 @@ def test_gemv_sums_in_fp32(rows, weight_dtype, k):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64, 65, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64, 65, 130, 300, 777])
 @pytest.mark.parametrize("n,k", [(48, 16), (50, 33), (576, 576), (1001, 80), (96, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packed_gemm_sums_in_fp32(rows, n, k, dtype):
-    """Any rows (tiles of up to 8, and their remainders), any N (a last panel of
-    fewer than 48 real columns), any K; 16-bit weights and x with fp32 sums, rounded
+    """Any rows (tiles of up to 8, and their remainders; blocks of up to 256 rows),
+    any N (a last panel of fewer than 48 real columns), any K; 16-bit weights and x with fp32 sums, rounded
     once to their dtype."""
     gen = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -80,7 +80,7 @@ def test_packed_gemm_refuses_a_weight_packed_for_another_shape():
     assert torch.ops.llmserve.gemm(torch.randn(0, 32), packed, 100).shape == (0, 100)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 130, 600])
 @pytest.mark.parametrize("half,k", [(48, 16), (96, 576), (1536, 576), (144, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packed_gemm_fuses_silu_and_mul_bit_for_bit(rows, half, k, dtype):
