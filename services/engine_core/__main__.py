@@ -53,8 +53,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = _metrics(args, core)
     engine = EngineLoop(core, metrics)
     servicer = EngineCoreServicer(engine)
-    server = ServiceServer(SERVICE_NAME,
-                           lambda s: engine_core_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s),
+    register = engine_core_pb2_grpc.add_EngineCoreServicer_to_server
+    server = ServiceServer(SERVICE_NAME, lambda s: register(servicer, s),
                            on_error=metrics and metrics.count_rpc_error,
                            drainable=engine, drain_timeout_s=args.drain_timeout, tls=tls)
     await server.start(args.host, args.port, args.port_file, args.health_port)
