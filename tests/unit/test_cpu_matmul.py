@@ -54,8 +54,8 @@ def test_gemv_sums_in_fp32(rows, weight_dtype, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packed_gemm_sums_in_fp32(rows, n, k, dtype):
     """Any rows (tiles of up to 8, and their remainders; blocks of up to 256 rows),
-    any N (a last panel of fewer than 48 real columns), any K; 16-bit weights and x with fp32 sums, rounded
-    once to their dtype."""
+    any N (a last panel of fewer than 48 real columns), any K; 16-bit weights and
+    x with fp32 sums, rounded once to their dtype."""
     gen = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
