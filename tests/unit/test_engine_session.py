@@ -112,10 +112,16 @@ def test_a_duplicate_request_id_is_refused_in_the_stream():
         add = engine_core_pb2.SessionRequest(add=convert.engine_core_request_to_proto(
             _request(0, max_tokens=40)))
         call = stub.Session(iter([add, add]))
+        refused = running = False
         async for message in call:
-            errors = [o for o in message.outputs if o.HasField("error")]
-            if errors:
-                assert errors[0].error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+            for output in message.outputs:
+                if output.HasField("error"):
+                    assert output.error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+                    refused = True
+                running |= bool(output.new_token_ids)
+            # The refusal can arrive before the first add reaches the engine: wait for
+            # its tokens, so that closing the session has a running request to abort.
+            if refused and running:
                 break
         call.cancel()
         await _until_idle(engine)
