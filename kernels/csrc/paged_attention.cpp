@@ -58,7 +58,7 @@ template <typename q_t, typename scalar_t, int BS, int D>
 void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row, int64_t len,
             int64_t kv_heads, int64_t group, double scale, Scratch& s,
             const Walk<scalar_t>& next = {}) {
-  constexpr int most = heads_per_pass<D>();
+  constexpr int most = heads_per_pass<D>(), NB = blocks_per_pass<most>();
   const int64_t heads = kv_heads * group, num_blocks = (len + BS - 1) / BS;
   const int64_t stride = num_blocks * BS, block = kv_heads * D * BS;
   s.q.resize(heads * D);
@@ -69,15 +69,18 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
   const bool prefetch = prefetches_blocks();
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
-  for (int64_t n = 0; n < num_blocks; ++n) {
-    if (prefetch) prefetch_ahead(keys, values, n, block);
-    for (int64_t h = 0; h < kv_heads; ++h)
+  in_block_groups<NB>(num_blocks, [&](int64_t n, auto count) {
+    constexpr int nb = decltype(count)::value;
+    for (int j = 0; prefetch && j < nb; ++j) prefetch_ahead(keys, values, n + j, block);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const scalar_t* kblocks[nb];
+      for (int j = 0; j < nb; ++j) kblocks[j] = kc + row[n + j] * block + h * D * BS;
       for (int64_t g = 0; g < group; g += most)
-        scores_of<scalar_t, BS, D>(std::min<int64_t>(most, group - g),
-                                   s.q.data() + (h * group + g) * D,
-                                   kc + row[n] * block + h * D * BS,
-                                   s.scores.data() + (h * group + g) * stride + n * BS, stride);
-  }
+        scores_of<scalar_t, BS, D, nb>(std::min<int64_t>(most, group - g),
+                                       s.q.data() + (h * group + g) * D, kblocks,
+                                       s.scores.data() + (h * group + g) * stride + n * BS, stride);
+    }
+  });
   for (int64_t i = 0; i < heads; ++i) {
     // Past the end, scores that exp() takes to ~0: the softmax runs over whole
     // vectors, and the value pass reads only the first `len` weights anyway.

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vector_math.h"
@@ -39,27 +40,68 @@ constexpr int heads_per_pass() {
   return fit >= 4 ? 4 : (fit >= 2 ? 2 : 1);
 }
 
-// Scores of G query heads (scaled, fp32, [G][D]) against a block of keys
-// [D][BS], into scores[g * stride + token]: BS/16 vectors of 16 tokens, each the
-// sum over d of q[d] * K[d][16 tokens]. A independent sums per head, so that at
-// least eight chains of multiply-adds are in flight.
-template <typename scalar_t, int BS, int D, int G>
-inline void block_scores(const float* q, const scalar_t* kblock, float* scores, int64_t stride) {
-  constexpr int A = G >= 4 ? 2 : 4;
+// Blocks of keys whose scores one pass takes together (NB): each query value,
+// broadcast once, then serves NB key vectors instead of one. With one block a
+// pass, a K vector cost a vector load and G broadcasts (G loads) for its G
+// multiply-adds; decode attention streams K and V from memory, and the load
+// buffer filled with those broadcasts kept fewer K lines in flight. As many as
+// fit the vector registers beside their sums (four with AVX-512's 32).
+template <int G>
+constexpr int blocks_per_pass() {
+  constexpr int budget = llmserve::kVectorRegisters - 4;
+  for (int nb = 4; nb > 1; nb /= 2)
+    if ((G * nb + nb) * llmserve::kRegistersPerVf16 <= budget) return nb;
+  return 1;
+}
+
+// Independent sums a score takes over d, so that at least eight chains of
+// multiply-adds are in flight where G x NB sums alone are fewer.
+template <int G, int NB>
+constexpr int partial_sums() {
+  int a = 1;
+  while (G * NB * a < 8 &&
+         (G * NB * 2 * a + NB) * llmserve::kRegistersPerVf16 <= llmserve::kVectorRegisters - 4)
+    a *= 2;
+  return a;
+}
+
+// Scores of G query heads (scaled, fp32, [G][D]) against NB blocks of keys, each
+// [D][BS], into scores[g * stride + j * BS + token] for block j: BS/16 vectors of
+// 16 tokens a block, each the sum over d of q[d] * K[d][16 tokens].
+template <typename scalar_t, int BS, int D, int G, int NB>
+inline void block_scores(const float* q, const scalar_t* const* kblocks, float* scores,
+                         int64_t stride) {
+  constexpr int A = partial_sums<G, NB>();
   for (int c = 0; c < BS; c += 16) {
-    vf16 acc[G][A] = {};
+    vf16 acc[G][NB][A] = {};
     for (int d = 0; d < D; d += A) {
       for (int a = 0; a < A; ++a) {
-        const vf16 k = llmserve::in_register(load16(kblock + (d + a) * BS + c));
-        for (int g = 0; g < G; ++g) acc[g][a] += q[g * D + d + a] * k;
+        vf16 k[NB];
+        for (int j = 0; j < NB; ++j)
+          k[j] = llmserve::in_register(load16(kblocks[j] + (d + a) * BS + c));
+        for (int g = 0; g < G; ++g) {
+          const float x = q[g * D + d + a];
+          for (int j = 0; j < NB; ++j) acc[g][j][a] += x * k[j];
+        }
       }
     }
-    for (int g = 0; g < G; ++g) {
-      vf16 sum = acc[g][0];
-      for (int a = 1; a < A; ++a) sum += acc[g][a];
-      llmserve::store16(scores + g * stride + c, sum);
-    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < NB; ++j) {
+        vf16 sum = acc[g][j][0];
+        for (int a = 1; a < A; ++a) sum += acc[g][j][a];
+        llmserve::store16(scores + g * stride + j * BS + c, sum);
+      }
   }
+}
+
+// f(n, count) for the blocks [0, num_blocks) in groups: `count` blocks from n,
+// NB at a time, then one at a time; count is a std::integral_constant, so that
+// each group size compiles to its own loop.
+template <int NB, typename F>
+inline void in_block_groups(int64_t num_blocks, F&& f) {
+  int64_t n = 0;
+  for (; n + NB <= num_blocks; n += NB) f(n, std::integral_constant<int, NB>{});
+  for (; n < num_blocks; ++n) f(n, std::integral_constant<int, 1>{});
 }
 
 // acc[g] (D/16 vectors per head, in registers) += p[g][t] * V[t] over a block's
@@ -144,15 +186,16 @@ inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& the
     prefetch_block(then.cache + then.row[ahead - walk.blocks] * block, block);
 }
 
-// block_scores for `heads` (1 to heads_per_pass) query heads, chosen at run time.
-template <typename scalar_t, int BS, int D>
-inline void scores_of(int64_t heads, const float* q, const scalar_t* kblock, float* scores,
+// block_scores for `heads` (1 to heads_per_pass) query heads, chosen at run
+// time, over NB blocks.
+template <typename scalar_t, int BS, int D, int NB = 1>
+inline void scores_of(int64_t heads, const float* q, const scalar_t* const* kblocks, float* scores,
                       int64_t stride) {
-  if (heads == 1) return block_scores<scalar_t, BS, D, 1>(q, kblock, scores, stride);
-  if (heads == 2) return block_scores<scalar_t, BS, D, 2>(q, kblock, scores, stride);
+  if (heads == 1) return block_scores<scalar_t, BS, D, 1, NB>(q, kblocks, scores, stride);
+  if (heads == 2) return block_scores<scalar_t, BS, D, 2, NB>(q, kblocks, scores, stride);
   if constexpr (heads_per_pass<D>() == 4) {
-    if (heads == 3) return block_scores<scalar_t, BS, D, 3>(q, kblock, scores, stride);
-    block_scores<scalar_t, BS, D, 4>(q, kblock, scores, stride);
+    if (heads == 3) return block_scores<scalar_t, BS, D, 3, NB>(q, kblocks, scores, stride);
+    block_scores<scalar_t, BS, D, 4, NB>(q, kblocks, scores, stride);
   }
 }
 

@@ -45,11 +45,14 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
     const q_t* src = q + (t0 + i / group) * q_stride + (h * group + i % group) * D;
     for (int64_t d = 0; d < D; ++d) s.q[i * D + d] = static_cast<float>(src[d]) * scale;
   }
-  for (int64_t n = 0; n < num_blocks; ++n)
+  in_block_groups<blocks_per_pass<most>()>(num_blocks, [&](int64_t n, auto count) {
+    constexpr int nb = decltype(count)::value;
+    const scalar_t* kblocks[nb];
+    for (int j = 0; j < nb; ++j) kblocks[j] = kc + row[n + j] * block + head;
     for (int64_t i = 0; i < rows; i += most)
-      scores_of<scalar_t, BS, D>(std::min<int64_t>(most, rows - i), s.q.data() + i * D,
-                                 kc + row[n] * block + head, s.scores.data() + i * stride + n * BS,
-                                 stride);
+      scores_of<scalar_t, BS, D, nb>(std::min<int64_t>(most, rows - i), s.q.data() + i * D, kblocks,
+                                     s.scores.data() + i * stride + n * BS, stride);
+  });
   for (int64_t i = 0; i < rows; ++i) {
     float* scores = s.scores.data() + i * stride;
     std::fill(scores + prefix + t0 + i / group + 1, scores + stride, -1e30f);
