@@ -43,9 +43,10 @@ constexpr int heads_per_pass() {
 // Blocks of keys whose scores one pass takes together (NB): each query value,
 // broadcast once, then serves NB key vectors instead of one. With one block a
 // pass, a K vector cost a vector load and G broadcasts (G loads) for its G
-// multiply-adds; decode attention streams K and V from memory, and the load
-// buffer filled with those broadcasts kept fewer K lines in flight. As many as
-// fit the vector registers beside their sums (four with AVX-512's 32).
+// multiply-adds; decode attention streams K and V from memory, and on an Intel
+// Xeon reads with three broadcast multiply-adds a line streamed a quarter to a
+// third slower than the reads alone (bench/NOTES.md). As many blocks as fit the
+// vector registers beside their sums (four with AVX-512's 32, two with AVX2).
 template <int G>
 constexpr int blocks_per_pass() {
   constexpr int budget = llmserve::kVectorRegisters - 4;

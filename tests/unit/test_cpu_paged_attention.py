@@ -42,12 +42,12 @@ def test_write_kv_cache_equals_reference(block_size, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", KERNEL_BLOCK_SIZES)
 def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtype, block_size):
-    """Block size 64 takes the torch reference; the others the kernel. Groups of 1,
-    3, 4 and 8 query heads per KV head: one pass, or two passes of 4 heads. Keys
-    are scored four blocks at a time, then one by one (70 tokens: 4 + 1 blocks of
-    16). With at least 4 sequences a thread (12 and 9 on 2 cores), an item is a
-    whole sequence; otherwise a chunk of one's blocks, the chunks' softmax
-    partials merged after (1,000 tokens: 63 blocks of 16 in chunks of 8)."""
+    """Every block size the kernel is built for. Groups of 1, 3, 4 and 8 query
+    heads per KV head: one pass, or two passes of 4 heads. Keys are scored four
+    blocks at a time, then one by one (70 tokens: 4 + 1 blocks of 16). With at
+    least 4 sequences a thread (12 and 9 on 2 cores), an item is a whole
+    sequence; otherwise a chunk of one's blocks, the chunks' softmax partials
+    merged after (1,000 tokens: 63 blocks of 16 in chunks of 8)."""
     _check_decode(batch, heads, kv_heads, 64, max_len, dtype, block_size)
 
 
