@@ -123,6 +123,7 @@ def test_a_duplicate_request_id_is_refused_in_the_stream():
             # its tokens, so that closing the session has a running request to abort.
             if refused and running:
                 break
+        assert refused and running, "the stream ended before the refusal or the first tokens"
         call.cancel()
         await _until_idle(engine)
     _run(test)
