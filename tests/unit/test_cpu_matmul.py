@@ -6,19 +6,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
+from services.worker import cpu_info
 from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul import choose, matmul
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, pack_amx_weight
 from services.worker.cpu_matmul.choose import (MKL_PACKED_PATH, ONEDNN_PACKED_PATH,
                                                PACKED_GEMM_PATH, fp32_gemv_rows, fp32_path,
-                                               sixteen_bit_weights, weight_dtype_max_rows)
+                                               onednn_gemv_rows, sixteen_bit_weights,
+                                               weight_dtype_max_rows)
 from services.worker.cpu_matmul import gemm as gemm_module
 from services.worker.cpu_matmul.gemm import (GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              PackedGemmWeights, packed_gemm_available)
 from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
-from services.worker.cpu_matmul.gemv import (GEMV_MAX_ROWS, GEMV_OVER_FP32_ROWS,
+from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
+                                             GEMV_MAX_ROWS, GEMV_OVER_FP32_ROWS,
                                              GEMV_OVER_ONEDNN_ROWS, GEMV_ROWS_WITHOUT_AVX512,
                                              GemvForFewRows, gemv_rows)
 from services.worker.cpu_matmul.mkl import (GEMV_OVER_MKL_ROWS, MKLPackedWeights,
@@ -258,9 +261,10 @@ def test_sixteen_bit_models_take_this_cpus_path():
         assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
         assert model.a.cpu_weights.many.packed.dtype == torch.bfloat16
     else:
-        assert path == f"oneDNN prepacked, our GEMV for <= {gemv_rows(GEMV_OVER_ONEDNN_ROWS)} rows"
+        rows = onednn_gemv_rows(torch.bfloat16)
+        assert path == f"oneDNN prepacked, our GEMV for <= {rows} rows"
         assert isinstance(model.a.cpu_weights, GemvForFewRows)
-    for rows in (1, 3, 64):
+    for rows in (1, 3, 4, 5, 64):  # around the GEMV's last row count where it has one
         torch.testing.assert_close(model(x[:rows]), expected[:rows], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(model(many), expected_many, rtol=2e-2, atol=2e-2)
     assert matmul(model.a, x[None, :2]).shape == (1, 2, 96)  # leading dims kept
@@ -382,12 +386,13 @@ def test_the_path_name_says_which_layers_our_gemv_skips():
 def test_built_without_avx512_our_gemv_takes_the_rows_of_one_pass(monkeypatch, avx512, expected):
     """Built for AVX2, one pass of our GEMV serves up to 6 rows, and it beat oneDNN's
     fp32 path wherever it takes rows with AVX-512 (bench/NOTES.md, "The AVX2 build"):
-    the same rows, capped at 6. Off Intel the fp32 path is our packed GEMM where the
-    kernels have AVX-512 (which 16-bit weights beat at one row only), oneDNN's
+    the same rows, capped at 6. On an AMD Zen 4 the fp32 path is our packed GEMM where
+    the kernels have AVX-512 (which 16-bit weights beat at one row only), oneDNN's
     elsewhere (which they beat up to GEMV_OVER_FP32_ROWS)."""
     monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: False)
+    monkeypatch.setattr(choose, "avx512_full_width", lambda: False)
     assert (gemv_rows(GEMV_OVER_FP32_ROWS), gemv_rows(GEMV_OVER_ONEDNN_ROWS),
             weight_dtype_max_rows()) == expected
     expected = (expected[2],)
@@ -412,6 +417,7 @@ def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, avx5
     monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: True)
+    monkeypatch.setattr(choose, "avx512_full_width", lambda: True)
     assert weight_dtype_max_rows() == rows
     weight = torch.randn(32, 64)
     sixteen = sixteen_bit_weights(weight, torch.bfloat16)
@@ -425,6 +431,37 @@ def test_on_intel_16_bit_weights_take_every_row_our_gemv_takes(monkeypatch, avx5
                                rtol=1e-5, atol=1e-5)
     # Past its rows, the fp32 path on the fp32 weight: the fp32 product.
     torch.testing.assert_close(sixteen(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vendor,family,flags,full_width", [
+    ("GenuineIntel", "6", "avx2 avx512f", True), ("AuthenticAMD", "26", "avx2 avx512f", True),
+    ("AuthenticAMD", "25", "avx2 avx512f", False), ("AuthenticAMD", "26", "avx2", False),
+    ("AuthenticAMD", "", "avx2 avx512f", False)])
+def test_avx512_runs_at_full_width_on_intel_and_from_zen_5(monkeypatch, vendor, family, flags,
+                                                           full_width):
+    fields = {"vendor_id": vendor, "cpu family": family, "flags": flags}
+    monkeypatch.setattr(cpu_info, "cpuinfo_field", lambda name: fields.get(name, ""))
+    assert cpu_info.avx512_full_width() == full_width
+
+
+@pytest.mark.parametrize("full_width,sixteen_bit_rows,bf16_rows", [
+    (True, GEMV_MAX_ROWS, BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH),
+    (False, 1, GEMV_OVER_ONEDNN_ROWS)])
+def test_off_intel_full_width_avx512_gives_16_bit_gemvs_more_rows(monkeypatch, full_width,
+                                                                  sixteen_bit_rows, bf16_rows):
+    """On an AMD EPYC Zen 5 our GEMV on a 16-bit copy of the weights beat our packed GEMM
+    on the fp32 ones at every row count it takes, and on a bf16 model's own weights
+    oneDNN's bf16 product up to 4 rows; the fp32 GEMV tied the GEMM from 2 to 6 rows
+    and lost at 7-8, so it keeps one row. Zen 4 keeps one row and two (bench/NOTES.md)."""
+    monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: True)
+    monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: True)
+    monkeypatch.setattr(choose, "cpu_is_intel", lambda: False)
+    monkeypatch.setattr(choose, "avx512_full_width", lambda: full_width)
+    assert weight_dtype_max_rows() == sixteen_bit_rows
+    assert onednn_gemv_rows(torch.bfloat16) == bf16_rows
+    assert onednn_gemv_rows(torch.float16) == onednn_gemv_rows(torch.float32) == \
+        GEMV_OVER_ONEDNN_ROWS
+    assert fp32_gemv_rows() == GEMV_OVER_PACKED_GEMM_ROWS
 
 
 @pytest.mark.parametrize("items", [1, 2, 7, 64])

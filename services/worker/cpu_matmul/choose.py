@@ -4,7 +4,7 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 - bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above; on
   Intel CPUs without it: our GEMM on the bf16 weights, our GEMV for few rows;
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
-  single streams (one or two rows);
+  one or two rows (bf16 up to four where AVX-512 runs at full width);
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
   of the weights for up to weight_dtype_max_rows() rows, the fp32 path above;
 - with kernels built without AVX-512, our GEMV for at most 6 rows (gemv_rows);
@@ -22,16 +22,17 @@ import torch
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
-from services.worker.cpu_info import cpu_is_intel
+from services.worker.cpu_info import avx512_full_width, cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
 from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
-                                             SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
+                                             SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH,
                                              PackedGemmWeights, packed_gemm_available,
                                              packed_weights_on_huge_pages)
-from services.worker.cpu_matmul.gemv import (GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
+from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
+                                             GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
                                              GemvForFewRows, gemv_rows, with_gemv)
 from services.worker.cpu_matmul.mkl import (GEMV_OVER_MKL_ROWS, SIXTEEN_BIT_GEMV_OVER_MKL_ROWS,
                                             MKLPackedWeights, mkl_packing_available)
@@ -95,8 +96,15 @@ def _amx_or_onednn(weight: torch.Tensor) -> MatmulStrategy:
 
 
 def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
-    """oneDNN-prepacked W, read by our GEMV at up to GEMV_OVER_ONEDNN_ROWS rows."""
-    return with_gemv(weight, gemv_rows(GEMV_OVER_ONEDNN_ROWS), OneDNNWeights(weight))
+    """oneDNN-prepacked W, read by our GEMV for few rows (onednn_gemv_rows)."""
+    return with_gemv(weight, onednn_gemv_rows(weight.dtype), OneDNNWeights(weight))
+
+
+def onednn_gemv_rows(dtype: torch.dtype) -> int:
+    """How many rows our GEMV takes in front of oneDNN's packed weights of `dtype`."""
+    if dtype == torch.bfloat16 and avx512_full_width():
+        return gemv_rows(BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH)
+    return gemv_rows(GEMV_OVER_ONEDNN_ROWS)
 
 
 def bf16_weights(weight: torch.Tensor) -> MatmulStrategy:
@@ -108,9 +116,10 @@ def bf16_weights(weight: torch.Tensor) -> MatmulStrategy:
 def weight_dtype_max_rows() -> int:
     """The most rows a step may have for `--weight-dtype` to act on it on this CPU:
     as many as its GEMV beats this CPU's fp32 path at (bench/NOTES.md)."""
-    return _rows_before_fp32_path((SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
-                                   SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL),
-                                  SIXTEEN_BIT_GEMV_OVER_MKL_ROWS, GEMV_OVER_FP32_ROWS)
+    packed_gemm = (SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH if avx512_full_width()
+                   else SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
+    return _rows_before_fp32_path(packed_gemm, SIXTEEN_BIT_GEMV_OVER_MKL_ROWS,
+                                  GEMV_OVER_FP32_ROWS)
 
 
 def sixteen_bit_weights(weight: torch.Tensor, weight_dtype: torch.dtype) -> MatmulStrategy:
@@ -132,16 +141,17 @@ def fp32_weights(weight: torch.Tensor) -> MatmulStrategy:
 
 def fp32_gemv_rows() -> int:
     """How many rows our GEMV takes in front of this CPU's fp32 path (bench/NOTES.md)."""
-    return _rows_before_fp32_path((GEMV_OVER_PACKED_GEMM_ROWS, GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL),
-                                  GEMV_OVER_MKL_ROWS, GEMV_OVER_ONEDNN_ROWS)
+    packed_gemm = (GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL if cpu_is_intel()
+                   else GEMV_OVER_PACKED_GEMM_ROWS)
+    return _rows_before_fp32_path(packed_gemm, GEMV_OVER_MKL_ROWS, GEMV_OVER_ONEDNN_ROWS)
 
 
-def _rows_before_fp32_path(packed_gemm: tuple[int, int], mkl: int, other: int) -> int:
+def _rows_before_fp32_path(packed_gemm: int, mkl: int, other: int) -> int:
     """The rows a GEMV takes before this CPU's fp32 path, as measured against it: our
-    packed GEMM (off Intel, on Intel), MKL's pack, or the rest; capped by gemv_rows."""
+    packed GEMM, MKL's pack, or the rest; capped by gemv_rows."""
     path = fp32_path()
     if path == PACKED_GEMM_PATH:
-        return gemv_rows(packed_gemm[cpu_is_intel()])
+        return gemv_rows(packed_gemm)
     return gemv_rows(mkl if path == MKL_PACKED_PATH else other)
 
 

@@ -16,18 +16,20 @@ from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS, GemvForFewRows
 from services.worker.host_memory import onto_huge_pages
 
 # Up to this many rows our GEMV on the fp32 weights keeps up with the packed
-# GEMM: on an AMD EPYC one row tied and at two the GEMM was 11% faster (the rule
-# off Intel); on an Intel Xeon, with the GEMV's prefetch, one and two rows tied
-# and the GEMV won from three to eight, and offline batches of 4 ran 20% faster
-# with it (bench/NOTES.md).
+# GEMM: on an AMD EPYC Zen 4 one row tied and at two the GEMM was 11% faster, on a
+# Zen 5 one to six rows tied and the GEMM won at seven and eight (the rule off
+# Intel); on an Intel Xeon, with the GEMV's prefetch, one and two rows tied and
+# the GEMV won from three to eight, and offline batches of 4 ran 20% faster with
+# it (bench/NOTES.md).
 GEMV_OVER_PACKED_GEMM_ROWS = 1
 GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL = GEMV_MAX_ROWS
 # Up to this many rows our GEMV on a 16-bit copy of the weights (`--weight-dtype`)
-# beats the packed GEMM on the fp32 ones: on an AVX-512 AMD EPYC at two rows it
-# won in one process and lost in another, at three it tied or lost (the rule off
-# Intel); on an Intel Xeon it won at every row count it takes (bench/NOTES.md).
+# beats the packed GEMM on the fp32 ones: on an AMD EPYC Zen 4 at two rows it won
+# in one process and lost in another, at three it tied or lost; where AVX-512 runs
+# at full width (an Intel Xeon, an AMD EPYC Zen 5) it won at every row count it
+# takes (bench/NOTES.md).
 SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS = 1
-SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL = GEMV_MAX_ROWS
+SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH = GEMV_MAX_ROWS
 # A bf16 model's own weights: our GEMV read them faster than the packed GEMM at
 # every row count it takes (Intel Xeon, bench/NOTES.md).
 BF16_GEMV_OVER_PACKED_GEMM_ROWS = GEMV_MAX_ROWS

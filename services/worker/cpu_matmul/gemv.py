@@ -12,6 +12,10 @@ from services.worker.cpu_matmul.strategy import MatmulStrategy
 GEMV_MAX_ROWS = 8
 # Up to this many rows our GEMV beats oneDNN's prepacked weights (bench/NOTES.md).
 GEMV_OVER_ONEDNN_ROWS = 2
+# On a bf16 model's own weights where AVX-512 runs at full width, off Intel (where
+# our GEMM serves them): on an AMD EPYC Zen 5 our GEMV beat oneDNN's bf16 product
+# up to 4 rows in two runs, to 6 in one of them, and lost at 8 (bench/NOTES.md).
+BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH = 4
 # Up to this many rows our GEMV over a 16-bit copy of the weights beats oneDNN's
 # prepacked fp32 path over fp32 ones; from 6 rows on it tied or lost (an AVX-512 AMD
 # EPYC, bench/NOTES.md), so the `--weight-dtype` mode acts up to here over oneDNN.
