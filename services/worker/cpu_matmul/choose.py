@@ -4,7 +4,8 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 - bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above; on
   Intel CPUs without it: our GEMM on the bf16 weights, our GEMV for few rows;
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
-  one or two rows (bf16 up to four where AVX-512 runs at full width);
+  one or two rows (bf16 up to four where AVX-512 runs at full width); fp16 models
+  elsewhere: our GEMM on the fp16 weights where it is built, our GEMV for few rows;
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
   of the weights for up to weight_dtype_max_rows() rows, the fp32 path above;
 - with kernels built without AVX-512, our GEMV for at most 6 rows (gemv_rows);
@@ -25,6 +26,7 @@ from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import avx512_full_width, cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
 from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_PACKED_GEMM_ROWS,
+                                             FP16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
@@ -74,6 +76,8 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
         return bf16_weights, PACKED_GEMM_PATH
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         return onednn_weights, ONEDNN_PACKED_PATH
+    if dtype == torch.float16 and packed_gemm_available():
+        return fp16_weights, PACKED_GEMM_PATH
     if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
         name = str(weight_dtype).removeprefix("torch.")
         return (lambda weight: sixteen_bit_weights(weight, weight_dtype),
@@ -111,6 +115,13 @@ def bf16_weights(weight: torch.Tensor) -> MatmulStrategy:
     """A bf16 model's W, packed in bf16 for our GEMM (fp32 sums), read by our GEMV at
     up to BF16_GEMV_OVER_PACKED_GEMM_ROWS rows."""
     return with_gemv(weight, gemv_rows(BF16_GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
+
+
+def fp16_weights(weight: torch.Tensor) -> MatmulStrategy:
+    """An fp16 model's W where oneDNN has no native fp16 (there torch's fp16 product ran
+    7-9x slower than our GEMM from 16 rows on: bench/NOTES.md): packed in fp16 for our
+    GEMM (fp32 sums), read by our GEMV at up to FP16_GEMV_OVER_PACKED_GEMM_ROWS rows."""
+    return with_gemv(weight, gemv_rows(FP16_GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
 
 
 def weight_dtype_max_rows() -> int:

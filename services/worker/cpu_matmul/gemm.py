@@ -33,6 +33,10 @@ SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH = GEMV_MAX_ROWS
 # A bf16 model's own weights: our GEMV read them faster than the packed GEMM at
 # every row count it takes (Intel Xeon, bench/NOTES.md).
 BF16_GEMV_OVER_PACKED_GEMM_ROWS = GEMV_MAX_ROWS
+# An fp16 model's own weights where oneDNN has no native fp16: on an AMD EPYC Zen 5
+# our GEMV read them faster than the packed GEMM up to 4 rows and lost at 8
+# (bench/NOTES.md).
+FP16_GEMV_OVER_PACKED_GEMM_ROWS = 4
 
 
 class PackedGemmWeights:
