@@ -73,11 +73,11 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
     if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
         return _amx_or_onednn, f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
     if dtype == torch.bfloat16 and cpu_is_intel() and packed_gemm_available():
-        return bf16_weights, PACKED_GEMM_PATH
+        return sixteen_bit_model_weights, PACKED_GEMM_PATH
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         return onednn_weights, ONEDNN_PACKED_PATH
     if dtype == torch.float16 and packed_gemm_available():
-        return fp16_weights, PACKED_GEMM_PATH
+        return sixteen_bit_model_weights, PACKED_GEMM_PATH
     if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
         name = str(weight_dtype).removeprefix("torch.")
         return (lambda weight: sixteen_bit_weights(weight, weight_dtype),
@@ -111,17 +111,14 @@ def onednn_gemv_rows(dtype: torch.dtype) -> int:
     return gemv_rows(GEMV_OVER_ONEDNN_ROWS)
 
 
-def bf16_weights(weight: torch.Tensor) -> MatmulStrategy:
-    """A bf16 model's W, packed in bf16 for our GEMM (fp32 sums), read by our GEMV at
-    up to BF16_GEMV_OVER_PACKED_GEMM_ROWS rows."""
-    return with_gemv(weight, gemv_rows(BF16_GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
-
-
-def fp16_weights(weight: torch.Tensor) -> MatmulStrategy:
-    """An fp16 model's W where oneDNN has no native fp16 (there torch's fp16 product ran
-    7-9x slower than our GEMM from 16 rows on: bench/NOTES.md): packed in fp16 for our
-    GEMM (fp32 sums), read by our GEMV at up to FP16_GEMV_OVER_PACKED_GEMM_ROWS rows."""
-    return with_gemv(weight, gemv_rows(FP16_GEMV_OVER_PACKED_GEMM_ROWS), PackedGemmWeights(weight))
+def sixteen_bit_model_weights(weight: torch.Tensor) -> MatmulStrategy:
+    """A 16-bit model's W, packed in its own dtype for our GEMM (fp32 sums), read by our
+    GEMV for few rows, as many as it beat the GEMM at in that dtype: bf16 models on Intel
+    without AMX, fp16 ones where oneDNN has no native fp16 (there torch's fp16 product
+    ran 7-9x slower than our GEMM from 16 rows on: bench/NOTES.md)."""
+    rows = (BF16_GEMV_OVER_PACKED_GEMM_ROWS if weight.dtype == torch.bfloat16
+            else FP16_GEMV_OVER_PACKED_GEMM_ROWS)
+    return with_gemv(weight, gemv_rows(rows), PackedGemmWeights(weight))
 
 
 def weight_dtype_max_rows() -> int:
