@@ -128,6 +128,24 @@ def floor_itl(cols: list[tuple[str, dict | None]]) -> list[tuple[str, dict | Non
             for n, c in cols]
 
 
+def floor_beside_note(row: dict, results: dict, what: str) -> list[str]:
+    """A sentence on row's ITL p50 against the floor's per-token time timed beside
+    it (bench/floor_beside.py) and against the floor section's."""
+    beside = row.get("floor_beside")
+    if not beside:
+        return []
+    readings = beside["readings_s"]
+    text = (f"{what}: ITL p50 {fmt(row['itl_p50_s'], 1e3)} ms, {beside['itl_ratio']:.2f}× the "
+            f"floor's per-token time timed beside it ({fmt(beside['itl_s'], 1e3, 2)} ms, the "
+            f"median of {len(readings)} readings around the runs, "
+            f"{fmt(min(readings), 1e3, 2)}-{fmt(max(readings), 1e3, 2)} ms)")
+    section = ((results.get("floor") or {}).get("floors") or {}).get("single_stream") or {}
+    if section.get("itl_s"):
+        text += (f"; {row['itl_p50_s'] / section['itl_s']:.2f}× the floor section's "
+                 f"{fmt(section['itl_s'], 1e3, 2)} ms")
+    return [text + ".", ""]
+
+
 SINGLE_FIGURES = [("output tok/s (end to end)", "output_tok_s", 1.0, 1),
                   ("decode tok/s (after the first token)", "decode_tok_s", 1.0, 1),
                   ("time to first token ms", "ttft_s", 1e3, 1),
@@ -141,7 +159,8 @@ def _single(results: dict) -> list[str]:
             f"{s['single_stream_len']} output tokens, in process; each figure the median "
             f"of {s.get('single_stream_runs', 1)} runs", "",
             *table(["figure", "llmserve", *(c for c, _ in cols)],
-                   figure_rows(row, cols, SINGLE_FIGURES))]
+                   figure_rows(row, cols, SINGLE_FIGURES)),
+            *floor_beside_note(row, results, "In process")]
 
 
 def _phases(results: dict) -> list[str]:

