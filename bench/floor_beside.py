@@ -1,13 +1,14 @@
-"""The one-stream floor timed again beside each one-stream run.
+"""The floor timed again beside the runs held against it.
 
-The floor section times the weight stream once, at the start of a run. On the
-2-core VMs this bench runs on, memory reads swing 24-40 GB/s from one minute to
-the next (bench/NOTES.md), so an inter-token latency measured ten minutes later
-was held against another minute's memory: in one run the in-process ITL came in
-at 0.89x that floor and the served one at 1.35x. Here the floor's per-token time
-(the faster of the copy and the floor section's fastest one-row pass, as there)
-is timed again just before and just after each one-stream run, and the ITL is
-also given against the median of those timings."""
+The floor section times the machine once, at the start of a run. On the 2-core
+VMs this bench runs on, memory reads swing 24-40 GB/s from one minute to the
+next (bench/NOTES.md), so a figure measured ten minutes later was held against
+another minute's machine: in one run the in-process ITL came in at 0.89x the
+one-stream floor and the served one at 1.35x. Here the floor section's fastest
+path at each row count a run needs, and the copy, are timed again just before,
+between and just after the runs, and each figure is also given against the
+median of the floors those readings make (floor.workload_floor, as the floor
+section's)."""
 from __future__ import annotations
 
 import statistics
@@ -15,58 +16,89 @@ from typing import Callable, TypeVar
 
 import torch
 
+from bench import floor as F
 from bench import floor_measure as fm
-from bench.floor import COPY_BYTES, ModelShape
 
 T = TypeVar("T")
 
 
-class StreamFloor:
-    """The model's linears at one row through one path, weights made once; each
-    time() is one reading of the floor's per-token time."""
+class FloorBeside:
+    """The floor section's fastest path at each of its row counts up to
+    `most_rows`, weights made once; read() times those passes and the copy again."""
 
-    def __init__(self, model_dir: str, floor: dict):
+    def __init__(self, model_dir: str, floor: dict, most_rows: int):
         dtype = getattr(torch, floor["dtype"])
-        self.path = floor["passes"]["1"]["path"]  # the floor section's fastest at one row
-        make = fm.gemm_paths(dtype)[self.path]
-        weights = fm.make_weights(ModelShape.from_model_dir(model_dir).linears(), dtype)
+        self.shape = F.ModelShape.from_model_dir(model_dir)
+        self.ms = sorted(int(m) for m in floor["passes"] if int(m) <= most_rows)
+        self._paths = {m: floor["passes"][str(m)]["path"] for m in self.ms}
+        makers = fm.gemm_paths(dtype)
+        weights = fm.make_weights(self.shape.linears(), dtype)
         with torch.inference_mode():
-            self._layers = [(name, w.shape[1], make(w)) for name, w in weights]
-        self._inputs = {k: torch.randn(1, k).to(dtype) for _, k, _ in self._layers}
-        self._bytes = floor["weight_bytes"]
-        self.readings_s: list[float] = []
-        self.passes_s: list[float] = []
-        self.copy_gb_s: list[float] = []
+            self._layers = {path: [(name, w.shape[1], makers[path](w)) for name, w in weights]
+                            for path in set(self._paths.values())}
+        widths = {w.shape[1] for _, w in weights}
+        self._inputs = {m: {k: torch.randn(m, k).to(dtype) for k in widths} for m in self.ms}
+        self._bytes_per_param = floor["bytes_per_param"]
 
-    def time(self) -> float:
-        """Seconds a token's weights take to stream now: the best one-row pass,
-        or the copy's rate where that is faster (floor.stream_rate)."""
-        self.passes_s.append(fm.best_pass(self._layers, self._inputs)["seconds"])
-        self.copy_gb_s.append(fm.copy_bandwidth(COPY_BYTES))
-        self.readings_s.append(min(self.passes_s[-1], self._bytes / (self.copy_gb_s[-1] * 1e9)))
-        return self.readings_s[-1]
+    @classmethod
+    def of(cls, model_dir: str, floor: dict | None, most_rows: int) -> FloorBeside | None:
+        """None where the run measured no floor (--skip-floor)."""
+        return cls(model_dir, floor, most_rows) if floor and "1" in floor["passes"] else None
 
-    def summary(self) -> dict:
-        return {"itl_s": statistics.median(self.readings_s), "readings_s": self.readings_s,
-                "path": self.path, "passes_s": self.passes_s, "copy_gb_s": self.copy_gb_s}
+    def read(self, ms: list[int] | None = None) -> F.Measured:
+        """The machine now, as floor.measured_from reads the floor section: GFLOP/s
+        of a pass at each of ms rows (all by default) and the weight-streaming rate,
+        the faster of the copy and the one-row pass."""
+        params = self.shape.params()
+        seconds = {m: fm.best_pass(self._layers[self._paths[m]], self._inputs[m])["seconds"]
+                   for m in ms or self.ms}
+        one_row = params * self._bytes_per_param / seconds[1] / 1e9 if 1 in seconds else 0.0
+        return F.Measured(gflop_s={m: 2 * m * params / s / 1e9 for m, s in seconds.items()},
+                          stream_gb_s=max(fm.copy_bandwidth(F.COPY_BYTES), one_row),
+                          bytes_per_param=self._bytes_per_param)
+
+    def runs(self, runs: list[Callable[[], T]],
+             ms: list[int] | None = None) -> tuple[list[T], list[F.Measured]]:
+        """Each run's result, and the readings taken before the first run, between
+        runs and after the last."""
+        readings, results = [self.read(ms)], []
+        for run in runs:
+            results.append(run())
+            readings.append(self.read(ms))
+        return results, readings
 
 
-def runs_beside_floor(model_dir: str, floor: dict | None,
-                      runs: list[Callable[[], T]]) -> tuple[list[T], dict | None]:
-    """Each run's result, with the floor timed before the first run, between runs
-    and after the last; None for the floor where the run measured none."""
-    if not floor or "1" not in floor.get("passes", {}):
+def runs_beside(floors: FloorBeside | None, runs: list[Callable[[], T]],
+                ms: list[int] | None = None) -> tuple[list[T], list[F.Measured] | None]:
+    """FloorBeside.runs, or the runs alone (no readings) where there is no floor."""
+    if floors is None:
         return [run() for run in runs], None
-    stream = StreamFloor(model_dir, floor)
-    stream.time()
-    results = []
-    for run in runs:
-        results.append(run())
-        stream.time()
-    return results, stream.summary()
+    return floors.runs(runs, ms)
 
 
-def add_itl_to_floor(row: dict, beside: dict | None) -> None:
-    """row's ITL p50 against the floor timed beside it, where there is one."""
-    if beside:
-        row["floor_beside"] = {**beside, "itl_ratio": row["itl_p50_s"] / beside["itl_s"]}
+def add_itl_to_floor(row: dict, floors: FloorBeside | None,
+                     readings: list[F.Measured] | None) -> None:
+    """row's ITL p50 against the one-stream floor of the readings beside it."""
+    if not readings:
+        return
+    per_token = [F.decode_seconds(floors.shape, m, 1, 1) for m in readings]
+    itl = statistics.median(per_token)
+    row["floor_beside"] = {"itl_s": itl, "readings_s": per_token,
+                           "itl_ratio": row["itl_p50_s"] / itl}
+
+
+def add_share_of_floor(row: dict, floors: FloorBeside | None,
+                       readings: list[F.Measured] | None, prompt_len: int,
+                       output_len: int) -> None:
+    """row's output tok/s (a batch of row["requests"]) as a share of the floor of
+    the readings beside it, and of that floor with KV reads."""
+    if not readings:
+        return
+    n = row["requests"]
+    each = [F.workload_floor(floors.shape, m, n, prompt_len, output_len, n) for m in readings]
+    tok_s = statistics.median(f["output_tok_s"] for f in each)
+    with_kv = statistics.median(f["with_kv_reads"]["output_tok_s"] for f in each)
+    row["floor_beside"] = {"output_tok_s": tok_s, "with_kv_reads_tok_s": with_kv,
+                           "readings_tok_s": [f["output_tok_s"] for f in each],
+                           "share": row["output_tok_s"] / tok_s,
+                           "share_with_kv_reads": row["output_tok_s"] / with_kv}

@@ -119,13 +119,31 @@ def _offline(results: dict, name: str, requests: int) -> list[str]:
     return [f"## Offline throughput: `LLM.generate`, {requests} requests × "
             f"{s['prompt_len']} prompt + {s['output_len']} output tokens", "",
             *table(["figure", "llmserve", *(c for c, _ in cols)],
-                   figure_rows(row, cols, OFFLINE_FIGURES))]
+                   figure_rows(row, cols, OFFLINE_FIGURES)),
+            *floor_share_beside_note(row, f"{requests} requests")]
 
 
 def floor_itl(cols: list[tuple[str, dict | None]]) -> list[tuple[str, dict | None]]:
     """The floor's per-token time put under the inter-token latency."""
     return [(n, {**c, "itl_p50_s": c.get("itl_s")} if n == "floor" and c else c)
             for n, c in cols]
+
+
+def floor_share_beside_note(row: dict, what: str) -> list[str]:
+    """A sentence on a batch's throughput as a share of the floor read beside it
+    (bench/floor_beside.py) and of the floor section's."""
+    beside = row.get("floor_beside")
+    if not beside:
+        return []
+    readings = beside["readings_tok_s"]
+    text = (f"{what}: {fmt(row['output_tok_s'])} output tok/s, {beside['share']:.0%} of the "
+            f"floor read beside it ({fmt(beside['output_tok_s'])} tok/s, the median of "
+            f"{len(readings)} readings around the run, {fmt(min(readings))}-"
+            f"{fmt(max(readings))}), {beside['share_with_kv_reads']:.0%} of it with KV reads")
+    section = row.get("floor_fraction", {}).get("output_tok_s")
+    if section is not None:
+        text += f"; {section:.0%} of the floor section's"
+    return [text + ".", ""]
 
 
 def floor_beside_note(row: dict, results: dict, what: str) -> list[str]:
@@ -136,7 +154,7 @@ def floor_beside_note(row: dict, results: dict, what: str) -> list[str]:
         return []
     readings = beside["readings_s"]
     text = (f"{what}: ITL p50 {fmt(row['itl_p50_s'], 1e3)} ms, {beside['itl_ratio']:.2f}× the "
-            f"floor's per-token time timed beside it ({fmt(beside['itl_s'], 1e3, 2)} ms, the "
+            f"floor's per-token time read beside it ({fmt(beside['itl_s'], 1e3, 2)} ms, the "
             f"median of {len(readings)} readings around the runs, "
             f"{fmt(min(readings), 1e3, 2)}-{fmt(max(readings), 1e3, 2)} ms)")
     section = ((results.get("floor") or {}).get("floors") or {}).get("single_stream") or {}

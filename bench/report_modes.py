@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.ratios import vllm_results
 from bench.report import (OFFLINE_FIGURES, SINGLE_FIGURES, cell, columns, figure_rows,
-                          floor_beside_note, floor_itl, fmt, table)
+                          floor_beside_note, floor_itl, floor_share_beside_note, fmt, table)
 
 MODES_HEADER = ["mode", "offline output tok/s", "single-stream decode tok/s",
                 "single-stream ITL p50 ms", "identical outputs", "tokens before divergence",
@@ -71,8 +71,12 @@ def dtype_section(dtype: str, sub: dict, s: dict) -> list[str]:
              *(f"- {note}" for note in _dtype_notes(sub, s)), ""]
     if not rows:
         return lines + ["llmserve did not run (`--skip-offline`).", ""]
-    return lines + table(header, rows) + floor_beside_note(sub.get("single_stream") or {}, sub,
-                                                           f"{dtype} single stream, in process")
+    notes = [line for name, what in (("offline", f"{s['requests']} requests"),
+                                     ("offline_large", f"{s['large_requests']} requests"))
+             for line in floor_share_beside_note(sub.get(name) or {}, f"{dtype} offline, {what}")]
+    return (lines + table(header, rows) + notes
+            + floor_beside_note(sub.get("single_stream") or {}, sub,
+                                f"{dtype} single stream, in process"))
 
 
 def dtype_sections(results: dict) -> list[str]:

@@ -84,39 +84,67 @@ def run_vllm(s: Settings, model_dir: str, phases: Phases, results: dict) -> None
 
 def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     from bench import offline
-    from bench.floor_beside import add_itl_to_floor, runs_beside_floor
+    from bench.floor import prefill_rows
+    from bench.floor_beside import FloorBeside
 
-    vocab = P.vocab_size(model_dir)
     with phases("offline: load llmserve"):
         llm = offline.load_llm(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len)
-        offline.warm_up(llm, P.make_prompts(4, s.prompt_len, vocab, s.seed, P.WARMUP))
-    with phases(f"offline: LLM.generate, {s.requests} requests"):
-        results["offline"] = offline.run_offline(
-            llm, P.make_prompts(s.requests, s.prompt_len, vocab, s.seed, P.OFFLINE), s.output_len)
-        phases.note = _tok_s(results["offline"])
+        offline.warm_up(llm, P.make_prompts(4, s.prompt_len, P.vocab_size(model_dir), s.seed,
+                                            P.WARMUP))
+    # The floor read again beside these runs (bench/floor_beside.py).
+    floors = FloorBeside.of(model_dir, results.get("floor"), max(
+        s.requests, s.large_requests, prefill_rows(s.requests, s.prompt_len)))
+    _offline_batches(s, model_dir, llm, floors, phases, results)
+    _single_stream(s, model_dir, llm, floors, phases, results)
+
+
+def _offline_batches(s: Settings, model_dir: str, llm, floors, phases: Phases,
+                     results: dict) -> None:
+    """One LLM.generate of s.requests requests, and one of s.large_requests."""
+    from bench import offline
+    from bench.floor_beside import add_share_of_floor, runs_beside
+
+    def batch(name: str, requests: int, kind: int):
+        def run() -> dict:
+            with phases(f"offline: LLM.generate, {requests} requests"):
+                prompts = P.make_prompts(requests, s.prompt_len, P.vocab_size(model_dir), s.seed,
+                                         kind)
+                row = results[name] = offline.run_offline(llm, prompts, s.output_len)
+                phases.note = _tok_s(row)
+            return row
+        return run
+
+    batches = [batch("offline", s.requests, P.OFFLINE)]
     if s.large_requests:
-        with phases(f"offline: LLM.generate, {s.large_requests} requests"):
-            results["offline_large"] = offline.run_offline(
-                llm, P.make_prompts(s.large_requests, s.prompt_len, vocab, s.seed,
-                                    P.OFFLINE_LARGE), s.output_len)
-            phases.note = _tok_s(results["offline_large"])
+        batches.append(batch("offline_large", s.large_requests, P.OFFLINE_LARGE))
+    rows, readings = runs_beside(floors, batches)
+    for i, row in enumerate(rows):
+        add_share_of_floor(row, floors, readings and readings[i:i + 2], s.prompt_len,
+                           s.output_len)
+
+
+def _single_stream(s: Settings, model_dir: str, llm, floors, phases: Phases,
+                   results: dict) -> None:
+    from bench import offline
+    from bench.floor_beside import add_itl_to_floor, runs_beside
+
     with phases(f"single stream: {s.single_stream_len} tokens, median of "
                 f"{s.single_stream_runs} runs"):
         # One prompt per run, the runs' prompts as vLLM's (a repeated prompt would
         # hit the prefix cache).
-        prompts = P.make_prompts(s.single_stream_runs, s.prompt_len, vocab, s.seed,
-                                 P.SINGLE_STREAM)
-        runs, beside = runs_beside_floor(model_dir, results.get("floor"), [
+        prompts = P.make_prompts(s.single_stream_runs, s.prompt_len, P.vocab_size(model_dir),
+                                 s.seed, P.SINGLE_STREAM)
+        runs, readings = runs_beside(floors, [
             functools.partial(offline.run_single_stream, llm, prompt, s.single_stream_len)
-            for prompt in prompts])
+            for prompt in prompts], ms=[1])
         results["single_stream"] = median_summary(runs)
-        add_itl_to_floor(results["single_stream"], beside)
+        add_itl_to_floor(results["single_stream"], floors, readings)
         phases.note = _tok_s(results["single_stream"])
 
 
 def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> None:
     from bench import serving
-    from bench.floor_beside import add_itl_to_floor, runs_beside_floor
+    from bench.floor_beside import FloorBeside, add_itl_to_floor, runs_beside
     from bench.stack import frontend_address, serving_stack
 
     vocab = P.vocab_size(model_dir)
@@ -132,10 +160,10 @@ def run_serving(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
                                      P.SERVING + i)
             run = functools.partial(serving.run_closed_loop, address, prompts, s.output_len, c)
             with phases(f"serving: concurrency {c}, {len(prompts)} requests"):
-                # One stream's ITL is held against the floor timed beside it too.
-                [row], beside = runs_beside_floor(model_dir, results.get("floor") if c == 1
-                                                  else None, [run])
-                add_itl_to_floor(row, beside)
+                # One stream's ITL is held against the floor read beside it too.
+                floors = FloorBeside.of(model_dir, results.get("floor"), 1) if c == 1 else None
+                [row], readings = runs_beside(floors, [run])
+                add_itl_to_floor(row, floors, readings)
                 rows.append(row)
                 phases.note = _tok_s(row)
         if s.request_rate:

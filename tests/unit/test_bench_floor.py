@@ -155,34 +155,55 @@ def test_no_larger_run_no_larger_floor():
     assert "offline_large" not in out and "embeddings" not in out
 
 
-def test_the_floor_beside_one_stream_runs_is_read_around_each(tmp_path, monkeypatch):
+def test_the_floor_is_read_again_around_the_runs(tmp_path, monkeypatch):
     config = {**SMOLLM2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
               "num_key_value_heads": 1, "head_dim": 16, "num_hidden_layers": 2,
               "vocab_size": 64}
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = ModelShape.from_model_dir(str(tmp_path))
-    result = json.loads(json.dumps(floor.measure(shape, "float32", [1])))
+    result = json.loads(json.dumps(floor.measure(shape, "float32", [1, 2, 4])))
+    floors = floor_beside.FloorBeside.of(str(tmp_path), result, most_rows=2)
+    assert floors.ms == [1, 2]  # the floor section's row counts the runs need
     order = []
     runs = [lambda i=i: order.append(i) or {"itl_p50_s": 0.002 * (i + 1)} for i in range(3)]
-    outs, beside = floor_beside.runs_beside_floor(str(tmp_path), result, runs)
+    outs, readings = floor_beside.runs_beside(floors, runs)
     assert order == [0, 1, 2] and [o["itl_p50_s"] for o in outs] == [0.002, 0.004, 0.006]
-    # Read before the first run, between runs and after the last, through the
-    # floor section's fastest path at one row.
-    assert len(beside["readings_s"]) == 4 and beside["path"] == result["passes"]["1"]["path"]
-    assert all(positive_finite(r) for r in beside["readings_s"])
-    assert beside["itl_s"] == statistics.median(beside["readings_s"])
-    # A reading is the faster of the pass and the copy's rate, as the floor's.
-    monkeypatch.setattr(fm, "copy_bandwidth", lambda nbytes: 1e9)  # GB/s: copy wins
-    _, fast_copy = floor_beside.runs_beside_floor(str(tmp_path), result, runs[:1])
-    assert fast_copy["readings_s"] == [result["weight_bytes"] / 1e18] * 2
+    # Read before the first run, between runs and after the last, at every row count.
+    assert len(readings) == 4 and all(set(m.gflop_s) == {1, 2} for m in readings)
+    assert all(positive_finite(v) for m in readings for v in [*m.gflop_s.values(),
+                                                              m.stream_gb_s])
+    _, ones = floor_beside.runs_beside(floors, runs[:1], ms=[1])
+    assert [set(m.gflop_s) for m in ones] == [{1}, {1}]
+
+    # The one-stream floor of each reading, as the floor section's.
     row = {"itl_p50_s": 0.004}
-    floor_beside.add_itl_to_floor(row, beside)
-    assert row["floor_beside"]["itl_ratio"] == pytest.approx(0.004 / beside["itl_s"])
-    # No floor section (--skip-floor): the runs alone.
-    outs, beside = floor_beside.runs_beside_floor(str(tmp_path), None, runs)
-    assert beside is None and len(outs) == 3 and order == [0, 1, 2, 0, 0, 1, 2]
-    row = {"itl_p50_s": 0.004}
-    floor_beside.add_itl_to_floor(row, None)
+    floor_beside.add_itl_to_floor(row, floors, readings)
+    per_token = [floor.decode_seconds(shape, m, 1, 1) for m in readings]
+    assert row["floor_beside"]["readings_s"] == per_token
+    assert row["floor_beside"]["itl_s"] == statistics.median(per_token)
+    assert row["floor_beside"]["itl_ratio"] == pytest.approx(0.004 / statistics.median(per_token))
+    # A batch's floor, with and without KV reads.
+    row = {"requests": 2, "output_tok_s": 10.0}
+    floor_beside.add_share_of_floor(row, floors, readings[:2], prompt_len=3, output_len=5)
+    each = [floor.workload_floor(shape, m, 2, 3, 5, 2) for m in readings[:2]]
+    tok_s = statistics.median(f["output_tok_s"] for f in each)
+    assert row["floor_beside"]["share"] == pytest.approx(10.0 / tok_s)
+    assert row["floor_beside"]["share_with_kv_reads"] > row["floor_beside"]["share"]
+
+    # The weight stream is the faster of the copy and the one-row pass, as the floor's.
+    monkeypatch.setattr(fm, "copy_bandwidth", lambda nbytes: 1e9)  # GB/s: the copy wins
+    assert floors.read([1]).stream_gb_s == 1e9
+    monkeypatch.setattr(fm, "copy_bandwidth", lambda nbytes: 1e-9)  # the pass wins
+    one = floors.read([1])
+    assert one.stream_gb_s == pytest.approx(one.gflop_s[1] * 1e9 * 4 / (2 * 1e9))
+
+    # No floor section (--skip-floor): the runs alone, and nothing added.
+    assert floor_beside.FloorBeside.of(str(tmp_path), None, 2) is None
+    outs, readings = floor_beside.runs_beside(None, runs)
+    assert readings is None and len(outs) == 3
+    row = {"itl_p50_s": 0.004, "requests": 2, "output_tok_s": 10.0}
+    floor_beside.add_itl_to_floor(row, None, None)
+    floor_beside.add_share_of_floor(row, None, None, 3, 5)
     assert "floor_beside" not in row
 
 

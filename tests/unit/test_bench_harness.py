@@ -113,7 +113,14 @@ def test_every_figure_has_a_ratio_to_the_baseline(bench_run):
     assert positive(beside["itl_ratio"]) and positive(beside["itl_s"])
     assert len(results["serving"][0]["floor_beside"]["readings_s"]) == 2
     assert "floor_beside" not in results["serving"][1]
-    assert "floor_beside" in results["dtypes"]["bfloat16"]["single_stream"]
+    bf16 = results["dtypes"]["bfloat16"]
+    assert "floor_beside" in bf16["single_stream"]
+    # The offline batches against the floor read before, between and after them.
+    for sub in (results, bf16):
+        for name in ("offline", "offline_large"):
+            beside = sub[name]["floor_beside"]
+            assert len(beside["readings_tok_s"]) == 2 and positive(beside["share"])
+            assert beside["share_with_kv_reads"] > beside["share"]
     fractions = [results["offline"]["floor_fraction"], results["single_stream"]["floor_fraction"],
                  *(row["floor_fraction"] for row in results["serving"])]
     assert all(positive(v) for f in fractions for v in f.values()), fractions
@@ -132,7 +139,8 @@ def test_markdown_is_printed_and_written(bench_run):
                     "## vLLM-CPU baseline", "## Machine floor", "## Phase times",
                     "## bfloat16: llmserve vs vLLM-CPU, same dtype", "Skipped (`--skip-modes`)",
                     "In process: ITL p50", "One stream, served: ITL p50",
-                    "bfloat16 single stream, in process: ITL p50"):
+                    "bfloat16 single stream, in process: ITL p50",
+                    "4 requests: ", "bfloat16 offline, 2 requests: "):
         assert heading in markdown
     assert results["meta"]["command"] in markdown and results["meta"]["cpu"] in markdown
 

@@ -6,7 +6,6 @@ import pytest
 
 from bench import floor
 from bench.floor import Measured, ModelShape
-from bench.floor_beside import add_itl_to_floor
 from bench.ratios import add_ratios
 from bench.report import cell, to_markdown
 from bench.settings import Settings
@@ -148,16 +147,24 @@ def test_markdown_has_every_section_and_the_vllm_columns():
     assert "| output tok/s | 100.0 (2.00× hf, 0.50× vllm) [" in markdown
 
 
-def test_one_streams_itl_is_set_against_the_floor_timed_beside_it():
+def test_figures_are_set_against_the_floor_read_beside_them():
     results = make_results()
-    beside = {"itl_s": 0.02, "readings_s": [0.019, 0.02, 0.024], "path": "llmserve GEMV"}
-    add_itl_to_floor(results["single_stream"], beside)  # ITL p50 30 ms
-    add_itl_to_floor(results["serving"][0], {**beside, "readings_s": [0.018, 0.022]})
+    results["single_stream"]["floor_beside"] = {  # ITL p50 30 ms
+        "itl_s": 0.02, "readings_s": [0.019, 0.02, 0.024], "itl_ratio": 1.5}
+    results["serving"][0]["floor_beside"] = {"itl_s": 0.02, "readings_s": [0.018, 0.022],
+                                             "itl_ratio": 1.0}
+    results["offline"]["floor_beside"] = {  # 100 tok/s
+        "output_tok_s": 125.0, "with_kv_reads_tok_s": 110.0, "readings_tok_s": [120.0, 130.0],
+        "share": 0.8, "share_with_kv_reads": 100 / 110}
     markdown = to_markdown(results)
     section_itl = results["floor"]["floors"]["single_stream"]["itl_s"]
-    assert ("In process: ITL p50 30.0 ms, 1.50× the floor's per-token time timed beside it "
+    assert ("In process: ITL p50 30.0 ms, 1.50× the floor's per-token time read beside it "
             "(20.00 ms, the median of 3 readings around the runs, 19.00-24.00 ms); "
             f"{0.03 / section_itl:.2f}× the floor section's {section_itl * 1e3:,.2f} ms."
             ) in markdown
     assert "One stream, served: ITL p50 20.0 ms, 1.00× the floor's" in markdown
-    assert markdown.count("timed beside it") == 2  # not for the served row of 4 streams
+    assert markdown.count("read beside it") == 3  # not for the served row of 4 streams
+    share = results["offline"]["floor_fraction"]["output_tok_s"]
+    assert ("4 requests: 100.0 output tok/s, 80% of the floor read beside it (125.0 tok/s, "
+            "the median of 2 readings around the run, 120.0-130.0), 91% of it with KV reads; "
+            f"{share:.0%} of the floor section's.") in markdown
