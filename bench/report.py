@@ -147,7 +147,7 @@ def floor_share_beside_note(row: dict, what: str) -> list[str]:
 
 
 def floor_beside_note(row: dict, results: dict, what: str) -> list[str]:
-    """A sentence on row's ITL p50 against the floor's per-token time timed beside
+    """A sentence on row's ITL p50 against the floor's per-token time read beside
     it (bench/floor_beside.py) and against the floor section's."""
     beside = row.get("floor_beside")
     if not beside:

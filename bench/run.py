@@ -125,6 +125,7 @@ def _offline_batches(s: Settings, model_dir: str, llm, floors, phases: Phases,
 
 def _single_stream(s: Settings, model_dir: str, llm, floors, phases: Phases,
                    results: dict) -> None:
+    """One request alone, s.single_stream_runs times; each figure the median."""
     from bench import offline
     from bench.floor_beside import add_itl_to_floor, runs_beside
 
