@@ -129,17 +129,22 @@ def floor_itl(cols: list[tuple[str, dict | None]]) -> list[tuple[str, dict | Non
             for n, c in cols]
 
 
+def _readings(readings: list[float], scale: float, digits: int, what: str) -> str:
+    """'the median of n readings around the <what>, lowest-highest'."""
+    return (f"the median of {len(readings)} readings around the {what}, "
+            f"{fmt(min(readings), scale, digits)}-{fmt(max(readings), scale, digits)}")
+
+
 def floor_share_beside_note(row: dict, what: str) -> list[str]:
     """A sentence on a batch's throughput as a share of the floor read beside it
     (bench/floor_beside.py) and of the floor section's."""
     beside = row.get("floor_beside")
     if not beside:
         return []
-    readings = beside["readings_tok_s"]
     text = (f"{what}: {fmt(row['output_tok_s'])} output tok/s, {beside['share']:.0%} of the "
-            f"floor read beside it ({fmt(beside['output_tok_s'])} tok/s, the median of "
-            f"{len(readings)} readings around the run, {fmt(min(readings))}-"
-            f"{fmt(max(readings))}), {beside['share_with_kv_reads']:.0%} of it with KV reads")
+            f"floor read beside it ({fmt(beside['output_tok_s'])} tok/s, "
+            f"{_readings(beside['readings_tok_s'], 1.0, 1, 'run')}), "
+            f"{beside['share_with_kv_reads']:.0%} of it with KV reads")
     section = row.get("floor_fraction", {}).get("output_tok_s")
     if section is not None:
         text += f"; {section:.0%} of the floor section's"
@@ -149,14 +154,12 @@ def floor_share_beside_note(row: dict, what: str) -> list[str]:
 def floor_beside_note(row: dict, results: dict, what: str) -> list[str]:
     """A sentence on row's ITL p50 against the floor's per-token time read beside
     it (bench/floor_beside.py) and against the floor section's."""
-    beside = row.get("floor_beside")
-    if not beside:
+    if not row.get("floor_beside"):
         return []
-    readings = beside["readings_s"]
+    beside = row["floor_beside"]
     text = (f"{what}: ITL p50 {fmt(row['itl_p50_s'], 1e3)} ms, {beside['itl_ratio']:.2f}× the "
-            f"floor's per-token time read beside it ({fmt(beside['itl_s'], 1e3, 2)} ms, the "
-            f"median of {len(readings)} readings around the runs, "
-            f"{fmt(min(readings), 1e3, 2)}-{fmt(max(readings), 1e3, 2)} ms)")
+            f"floor's per-token time read beside it ({fmt(beside['itl_s'], 1e3, 2)} ms, "
+            f"{_readings(beside['readings_s'], 1e3, 2, 'runs')} ms)")
     section = ((results.get("floor") or {}).get("floors") or {}).get("single_stream") or {}
     if section.get("itl_s"):
         text += (f"; {row['itl_p50_s'] / section['itl_s']:.2f}× the floor section's "
