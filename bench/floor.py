@@ -175,15 +175,20 @@ def measure(shape: ModelShape, dtype: str, ms: list[int]) -> dict:
     path_names = list(paths)
     del paths
     per_param = torch.empty((), dtype=torch_dtype).element_size()
-    gflop_s = {k: 2 * int(k) * shape.params() / p["seconds"] / 1e9 for k, p in passes.items()}
-    one = passes["1"]["seconds"] if "1" in passes else float("inf")
     return {"dtype": dtype, "torch_threads": torch.get_num_threads(),
             "shape": asdict(shape), "params_per_token": shape.params(),
             "body_params_per_token": shape.params(with_head=False),
             "weight_bytes": shape.params() * per_param, "bytes_per_param": per_param,
-            "gflop_s": gflop_s, "passes": passes, "paths": path_names,
-            "copy_gb_s": fm.copy_bandwidth(COPY_BYTES),
-            "gemv_gb_s": shape.params() * per_param / one / 1e9}
+            **pass_rates(shape, {k: p["seconds"] for k, p in passes.items()}, per_param),
+            "passes": passes, "paths": path_names, "copy_gb_s": fm.copy_bandwidth(COPY_BYTES)}
+
+
+def pass_rates(shape: ModelShape, seconds: dict[str, float], bytes_per_param: int) -> dict:
+    """From a pass's seconds at each M (keys as strings): `gflop_s` at each M, and
+    `gemv_gb_s`, the one-row pass's weight-streaming rate (0 without M=1)."""
+    one = seconds.get("1", float("inf"))
+    return {"gflop_s": {k: 2 * int(k) * shape.params() / t / 1e9 for k, t in seconds.items()},
+            "gemv_gb_s": shape.params() * bytes_per_param / one / 1e9}
 
 
 def stream_rate(result: dict) -> float:

@@ -49,13 +49,11 @@ class FloorBeside:
         """The machine now, as floor.measured_from reads the floor section: GFLOP/s
         of a pass at each of ms rows (all by default) and the weight-streaming rate,
         the faster of the copy and the one-row pass."""
-        params = self.shape.params()
-        seconds = {m: fm.best_pass(self._layers[self._paths[m]], self._inputs[m])["seconds"]
+        seconds = {str(m): fm.best_pass(self._layers[self._paths[m]], self._inputs[m])["seconds"]
                    for m in ms or self.ms}
-        one_row = params * self._bytes_per_param / seconds[1] / 1e9 if 1 in seconds else 0.0
-        return F.Measured(gflop_s={m: 2 * m * params / s / 1e9 for m, s in seconds.items()},
-                          stream_gb_s=max(fm.copy_bandwidth(F.COPY_BYTES), one_row),
-                          bytes_per_param=self._bytes_per_param)
+        return F.measured_from({**F.pass_rates(self.shape, seconds, self._bytes_per_param),
+                                "copy_gb_s": fm.copy_bandwidth(F.COPY_BYTES),
+                                "bytes_per_param": self._bytes_per_param})
 
     def runs(self, runs: list[Callable[[], T]],
              ms: list[int] | None = None) -> tuple[list[T], list[F.Measured]]:

@@ -87,18 +87,18 @@ def run_offline(s: Settings, model_dir: str, phases: Phases, results: dict) -> N
     from bench.floor import prefill_rows
     from bench.floor_beside import FloorBeside
 
+    vocab = P.vocab_size(model_dir)
     with phases("offline: load llmserve"):
         llm = offline.load_llm(model_dir, s.dtype, s.kv_cache_gib, s.max_model_len)
-        offline.warm_up(llm, P.make_prompts(4, s.prompt_len, P.vocab_size(model_dir), s.seed,
-                                            P.WARMUP))
+        offline.warm_up(llm, P.make_prompts(4, s.prompt_len, vocab, s.seed, P.WARMUP))
     # The floor read again beside these runs (bench/floor_beside.py).
     floors = FloorBeside.of(model_dir, results.get("floor"), max(
         s.requests, s.large_requests, prefill_rows(s.requests, s.prompt_len)))
-    _offline_batches(s, model_dir, llm, floors, phases, results)
-    _single_stream(s, model_dir, llm, floors, phases, results)
+    _offline_batches(s, vocab, llm, floors, phases, results)
+    _single_stream(s, vocab, llm, floors, phases, results)
 
 
-def _offline_batches(s: Settings, model_dir: str, llm, floors, phases: Phases,
+def _offline_batches(s: Settings, vocab: int, llm, floors, phases: Phases,
                      results: dict) -> None:
     """One LLM.generate of s.requests requests, and one of s.large_requests."""
     from bench import offline
@@ -107,8 +107,7 @@ def _offline_batches(s: Settings, model_dir: str, llm, floors, phases: Phases,
     def batch(name: str, requests: int, kind: int):
         def run() -> dict:
             with phases(f"offline: LLM.generate, {requests} requests"):
-                prompts = P.make_prompts(requests, s.prompt_len, P.vocab_size(model_dir), s.seed,
-                                         kind)
+                prompts = P.make_prompts(requests, s.prompt_len, vocab, s.seed, kind)
                 row = results[name] = offline.run_offline(llm, prompts, s.output_len)
                 phases.note = _tok_s(row)
             return row
@@ -123,7 +122,7 @@ def _offline_batches(s: Settings, model_dir: str, llm, floors, phases: Phases,
                            s.output_len)
 
 
-def _single_stream(s: Settings, model_dir: str, llm, floors, phases: Phases,
+def _single_stream(s: Settings, vocab: int, llm, floors, phases: Phases,
                    results: dict) -> None:
     """One request alone, s.single_stream_runs times; each figure the median."""
     from bench import offline
@@ -133,8 +132,8 @@ def _single_stream(s: Settings, model_dir: str, llm, floors, phases: Phases,
                 f"{s.single_stream_runs} runs"):
         # One prompt per run, the runs' prompts as vLLM's (a repeated prompt would
         # hit the prefix cache).
-        prompts = P.make_prompts(s.single_stream_runs, s.prompt_len, P.vocab_size(model_dir),
-                                 s.seed, P.SINGLE_STREAM)
+        prompts = P.make_prompts(s.single_stream_runs, s.prompt_len, vocab, s.seed,
+                                 P.SINGLE_STREAM)
         runs, readings = runs_beside(floors, [
             functools.partial(offline.run_single_stream, llm, prompt, s.single_stream_len)
             for prompt in prompts], ms=[1])
