@@ -45,6 +45,17 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cac
   });
 }
 
+// exp(score - top) in place over each head's scores, the ones past `len` first
+// set to what exp() takes to ~0: the softmax runs over whole vectors, and the
+// value pass reads only the first `len` weights anyway.
+inline void softmax_heads(Scratch& s, int64_t heads, int64_t len, int64_t stride) {
+  for (int64_t i = 0; i < heads; ++i) {
+    float* scores = s.scores.data() + i * stride;
+    std::fill(scores + len, scores + stride, -1e30f);
+    s.sum[i] = softmax(scores, stride, s.top[i]);
+  }
+}
+
 // Every query head of one sequence against its `len` tokens in blocks row[0],
 // row[1], ...: one walk over the key blocks and one over the value blocks; the
 // keys of the walk to follow (`next`, none when its blocks are 0) are asked for
@@ -67,27 +78,28 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   s.top.resize(heads);
   s.sum.resize(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
-  const bool prefetch = prefetches_blocks();
+  const bool prefetch = prefetches_blocks(), stream = streams_ahead<scalar_t>();
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
+  // KV head h's part of block n + kStreamAhead (see streams_ahead), or nullptr.
+  auto ahead = [&](const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n, int64_t h) {
+    const scalar_t* b = stream ? block_at(walk, then, n + kStreamAhead, block) : nullptr;
+    return b ? b + h * D * BS : nullptr;
+  };
   in_block_groups<NB>(num_blocks, [&](int64_t n, auto count) {
     constexpr int nb = decltype(count)::value;
     for (int j = 0; prefetch && j < nb; ++j) prefetch_ahead(keys, values, n + j, block);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const scalar_t* kblocks[nb];
+      const scalar_t *kblocks[nb], *kahead[nb];
       for (int j = 0; j < nb; ++j) kblocks[j] = kc + row[n + j] * block + h * D * BS;
-      for (int64_t g = 0; g < group; g += most)
+      for (int j = 0; j < nb; ++j) kahead[j] = ahead(keys, values, n + j, h);
+      for (int64_t g = 0; g < group; g += most)  // the keys are in cache after g = 0
         scores_of<scalar_t, BS, D, nb>(std::min<int64_t>(most, group - g),
                                        s.q.data() + (h * group + g) * D, kblocks,
-                                       s.scores.data() + (h * group + g) * stride + n * BS, stride);
+                                       s.scores.data() + (h * group + g) * stride + n * BS, stride,
+                                       stream && g == 0 ? kahead : nullptr);
     }
   });
-  for (int64_t i = 0; i < heads; ++i) {
-    // Past the end, scores that exp() takes to ~0: the softmax runs over whole
-    // vectors, and the value pass reads only the first `len` weights anyway.
-    float* scores = s.scores.data() + i * stride;
-    std::fill(scores + len, scores + stride, -1e30f);
-    s.sum[i] = softmax(scores, stride, s.top[i]);
-  }
+  softmax_heads(s, heads, len, stride);
   for (int64_t n = 0; n < num_blocks; ++n) {
     if (prefetch) prefetch_ahead(values, next, n, block);
     const int64_t valid = std::min<int64_t>(BS, len - n * BS);
@@ -95,8 +107,8 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
       for (int64_t g = 0; g < group; g += most)
         values_of<scalar_t, D>(std::min<int64_t>(most, group - g),
                                s.scores.data() + (h * group + g) * stride + n * BS, stride, valid,
-                               vc + row[n] * block + h * D * BS,
-                               s.acc.data() + (h * group + g) * D);
+                               vc + row[n] * block + h * D * BS, s.acc.data() + (h * group + g) * D,
+                               g == 0 ? ahead(values, next, n, h) : nullptr);
   }
 }
 

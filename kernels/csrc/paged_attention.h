@@ -66,12 +66,26 @@ constexpr int partial_sums() {
   return a;
 }
 
+// Loads of 16 elements a cache line: one fp32, two 16-bit.
+template <typename scalar_t>
+constexpr int loads_per_line() {
+  return 64 / (16 * sizeof(scalar_t));
+}
+
+// Asks for the line at `offset` of the block `ahead` (none: nullptr), once a line.
+template <typename scalar_t>
+inline void stream_line(const scalar_t* ahead, int64_t offset, int64_t load) {
+  if (ahead && load % loads_per_line<scalar_t>() == 0) __builtin_prefetch(ahead + offset, 0, 3);
+}
+
 // Scores of G query heads (scaled, fp32, [G][D]) against NB blocks of keys, each
 // [D][BS], into scores[g * stride + j * BS + token] for block j: BS/16 vectors of
-// 16 tokens a block, each the sum over d of q[d] * K[d][16 tokens].
+// 16 tokens a block, each the sum over d of q[d] * K[d][16 tokens]. With `ahead`
+// (for each block j, the one kStreamAhead on; see streams_ahead), each line
+// loaded asks for the line at the same place there.
 template <typename scalar_t, int BS, int D, int G, int NB>
 inline void block_scores(const float* q, const scalar_t* const* kblocks, float* scores,
-                         int64_t stride) {
+                         int64_t stride, const scalar_t* const* ahead = nullptr) {
   constexpr int A = partial_sums<G, NB>();
   for (int c = 0; c < BS; c += 16) {
     vf16 acc[G][NB][A] = {};
@@ -80,6 +94,7 @@ inline void block_scores(const float* q, const scalar_t* const* kblocks, float* 
         vf16 k[NB];
         for (int j = 0; j < NB; ++j)
           k[j] = llmserve::in_register(load16(kblocks[j] + (d + a) * BS + c));
+        for (int j = 0; ahead && j < NB; ++j) stream_line(ahead[j], (d + a) * BS + c, d + a);
         for (int g = 0; g < G; ++g) {
           const float x = q[g * D + d + a];
           for (int j = 0; j < NB; ++j) acc[g][j][a] += x * k[j];
@@ -108,15 +123,16 @@ inline void in_block_groups(int64_t num_blocks, F&& f) {
 // acc[g] (D/16 vectors per head, in registers) += p[g][t] * V[t] over a block's
 // first `valid` tokens; values [BS][D], weights p[g * stride + t]. With fewer
 // than eight sums, even and odd tokens add into separate sets (P = 2), so that
-// the adds do not wait on each other.
+// the adds do not wait on each other. `ahead` as block_scores's, one block.
 template <typename scalar_t, int D, int G, int P>
 inline void block_values(const float* p, int64_t stride, int64_t valid, const scalar_t* vblock,
-                         vf16 (&acc)[P][G][D / 16]) {
+                         vf16 (&acc)[P][G][D / 16], const scalar_t* ahead) {
   int64_t t = 0;
   for (; t + P <= valid; t += P)
     for (int parity = 0; parity < P; ++parity)
       for (int c = 0; c < D / 16; ++c) {
         const vf16 v = llmserve::in_register(load16(vblock + (t + parity) * D + c * 16));
+        stream_line(ahead, (t + parity) * D + c * 16, c);
         for (int g = 0; g < G; ++g) acc[parity][g][c] += p[g * stride + t + parity] * v;
       }
   for (; t < valid; ++t)
@@ -148,9 +164,10 @@ inline float softmax(float* s, int64_t len, float& top_out) {
 // Blocks are scattered pages, and hardware prefetchers stop at page boundaries:
 // on Intel, ask for the block kPrefetchAhead on while this one is worked on, into
 // L2 (prefetcht2; into L1, two whole blocks ahead crowd out the one in use; into
-// L2, four ahead beat two). AMD treats the hints alike, into L1, and there any of
-// these prefetches (two blocks ahead, one, a line a page) made decode slower than
-// none: bench/NOTES.md.
+// L2, four ahead beat two). AMD treats the hints alike, into L1, and there whole
+// blocks asked for (two blocks ahead, one, a line a page) made decode slower than
+// none on Zen 4, and no faster on Zen 5: bench/NOTES.md. There, 16-bit caches ask
+// a line at a time instead (streams_ahead).
 constexpr int64_t kPrefetchAhead = 4;
 
 inline bool prefetches_blocks() {
@@ -173,30 +190,47 @@ struct Walk {
   int64_t blocks;
 };
 
-// At block n of `walk`, asks for the one kPrefetchAhead on: in this walk, else
-// one of the first blocks of the walk after it (the values after the keys, the
-// next sequence's keys after the values), which would otherwise begin on blocks
-// nobody asked for.
+// Block i of `walk`, counting on into the walk after it (the values after the
+// keys, the next sequence's keys after the values), which would otherwise begin
+// on blocks nobody asked for; nullptr past both.
+template <typename scalar_t>
+inline const scalar_t* block_at(const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t i,
+                                int64_t block) {
+  if (i < walk.blocks) return walk.cache + walk.row[i] * block;
+  if (i - walk.blocks < then.blocks) return then.cache + then.row[i - walk.blocks] * block;
+  return nullptr;
+}
+
+// At block n of `walk`, asks for the one kPrefetchAhead on, whole.
 template <typename scalar_t>
 inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n,
                            int64_t block) {
-  const int64_t ahead = n + kPrefetchAhead;
-  if (ahead < walk.blocks)
-    prefetch_block(walk.cache + walk.row[ahead] * block, block);
-  else if (ahead - walk.blocks < then.blocks)
-    prefetch_block(then.cache + then.row[ahead - walk.blocks] * block, block);
+  if (const scalar_t* ahead = block_at(walk, then, n + kPrefetchAhead, block))
+    prefetch_block(ahead, block);
+}
+
+// Where whole blocks are not asked for (AMD), 16-bit K and V streamed from memory
+// well below fp32's rate (presumably their widening holds up the loads). Asking,
+// as each line is loaded, for the line at the same place kStreamAhead blocks on
+// brings them close to it: one request a line, spread over the walk (Zen 5,
+// bench/NOTES.md). fp32's K and V streamed no faster for it.
+constexpr int64_t kStreamAhead = 8;
+
+template <typename scalar_t>
+inline bool streams_ahead() {
+  return sizeof(scalar_t) == 2 && !prefetches_blocks();
 }
 
 // block_scores for `heads` (1 to heads_per_pass) query heads, chosen at run
 // time, over NB blocks.
 template <typename scalar_t, int BS, int D, int NB = 1>
 inline void scores_of(int64_t heads, const float* q, const scalar_t* const* kblocks, float* scores,
-                      int64_t stride) {
-  if (heads == 1) return block_scores<scalar_t, BS, D, 1, NB>(q, kblocks, scores, stride);
-  if (heads == 2) return block_scores<scalar_t, BS, D, 2, NB>(q, kblocks, scores, stride);
+                      int64_t stride, const scalar_t* const* ahead = nullptr) {
+  if (heads == 1) return block_scores<scalar_t, BS, D, 1, NB>(q, kblocks, scores, stride, ahead);
+  if (heads == 2) return block_scores<scalar_t, BS, D, 2, NB>(q, kblocks, scores, stride, ahead);
   if constexpr (heads_per_pass<D>() == 4) {
-    if (heads == 3) return block_scores<scalar_t, BS, D, 3, NB>(q, kblocks, scores, stride);
-    block_scores<scalar_t, BS, D, 4, NB>(q, kblocks, scores, stride);
+    if (heads == 3) return block_scores<scalar_t, BS, D, 3, NB>(q, kblocks, scores, stride, ahead);
+    block_scores<scalar_t, BS, D, 4, NB>(q, kblocks, scores, stride, ahead);
   }
 }
 
@@ -204,12 +238,12 @@ inline void scores_of(int64_t heads, const float* q, const scalar_t* const* kblo
 // with the sums in registers for the block's duration.
 template <typename scalar_t, int D, int G>
 inline void add_values(const float* p, int64_t stride, int64_t valid, const scalar_t* vblock,
-                       float* acc) {
+                       float* acc, const scalar_t* ahead) {
   constexpr int P = G * D / 16 * llmserve::kRegistersPerVf16 >= 8 ? 1 : 2;
   vf16 sums[P][G][D / 16] = {};
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < D / 16; ++c) sums[0][g][c] = load16(acc + g * D + c * 16);
-  block_values<scalar_t, D, G, P>(p, stride, valid, vblock, sums);
+  block_values<scalar_t, D, G, P>(p, stride, valid, vblock, sums, ahead);
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < D / 16; ++c) {
       vf16 sum = sums[0][g][c];
@@ -220,12 +254,12 @@ inline void add_values(const float* p, int64_t stride, int64_t valid, const scal
 
 template <typename scalar_t, int D>
 inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t valid,
-                      const scalar_t* vblock, float* acc) {
-  if (heads == 1) return add_values<scalar_t, D, 1>(p, stride, valid, vblock, acc);
-  if (heads == 2) return add_values<scalar_t, D, 2>(p, stride, valid, vblock, acc);
+                      const scalar_t* vblock, float* acc, const scalar_t* ahead = nullptr) {
+  if (heads == 1) return add_values<scalar_t, D, 1>(p, stride, valid, vblock, acc, ahead);
+  if (heads == 2) return add_values<scalar_t, D, 2>(p, stride, valid, vblock, acc, ahead);
   if constexpr (heads_per_pass<D>() == 4) {
-    if (heads == 3) return add_values<scalar_t, D, 3>(p, stride, valid, vblock, acc);
-    add_values<scalar_t, D, 4>(p, stride, valid, vblock, acc);
+    if (heads == 3) return add_values<scalar_t, D, 3>(p, stride, valid, vblock, acc, ahead);
+    add_values<scalar_t, D, 4>(p, stride, valid, vblock, acc, ahead);
   }
 }
 

@@ -38,7 +38,8 @@ def test_write_kv_cache_equals_reference(block_size, dtype):
 @pytest.mark.parametrize("batch, heads, kv_heads, max_len", [(1, 9, 3, 1), (7, 9, 3, 70),
                                                               (5, 4, 4, 33), (3, 8, 1, 130),
                                                               (2, 9, 3, 300), (12, 9, 3, 70),
-                                                              (9, 8, 2, 40), (1, 9, 3, 1000)])
+                                                              (9, 8, 2, 40), (1, 9, 3, 1000),
+                                                              (10, 9, 3, 300)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", KERNEL_BLOCK_SIZES)
 def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtype, block_size):
@@ -47,7 +48,10 @@ def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtyp
     blocks at a time, then one by one (70 tokens: 4 + 1 blocks of 16). With at
     least 4 sequences a thread (12 and 9 on 2 cores), an item is a whole
     sequence; otherwise a chunk of one's blocks, the chunks' softmax partials
-    merged after (1,000 tokens: 63 blocks of 16 in chunks of 8)."""
+    merged after (1,000 tokens: 63 blocks of 16 in chunks of 8). Where a 16-bit
+    walk asks for lines blocks ahead (streams_ahead), the blocks asked for lie in
+    its own walk (300 tokens: 19 blocks of 16), in the values after the keys, or
+    in the next sequence's keys (70 tokens)."""
     _check_decode(batch, heads, kv_heads, 64, max_len, dtype, block_size)
 
 
@@ -60,12 +64,12 @@ def test_decode_attention_head_dims(head_dim, heads, kv_heads):
 
 def _check_decode(batch, heads, kv_heads, d, max_len, dtype, block_size):
     gen = torch.Generator().manual_seed(batch * 1000 + max_len + d)
-    num_blocks = 64
+    width = -(-max_len // block_size)
+    num_blocks = max(64, batch * width)
     key_cache, value_cache = _caches(num_blocks, block_size, kv_heads, d, dtype, gen)
     query = torch.randn(batch, heads, d, generator=gen).to(dtype)
     seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen)
     seq_lens[0] = max_len
-    width = -(-max_len // block_size)
     block_table = torch.randperm(num_blocks, generator=gen)[:batch * width].reshape(batch, width)
     # The op itself, not the wrapper, which would take the reference for a shape the
     # kernel is not built for (and compare the reference with itself).
