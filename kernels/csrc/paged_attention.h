@@ -66,16 +66,13 @@ constexpr int partial_sums() {
   return a;
 }
 
-// Loads of 16 elements a cache line: one fp32, two 16-bit.
+// Asks for the line at `offset` (elements) of the block `ahead` (none: nullptr)
+// where a line begins there, so each line once whatever the loads' order: blocks
+// (and each KV head's part of one) begin on a line.
 template <typename scalar_t>
-constexpr int loads_per_line() {
-  return 64 / (16 * sizeof(scalar_t));
-}
-
-// Asks for the line at `offset` of the block `ahead` (none: nullptr), once a line.
-template <typename scalar_t>
-inline void stream_line(const scalar_t* ahead, int64_t offset, int64_t load) {
-  if (ahead && load % loads_per_line<scalar_t>() == 0) __builtin_prefetch(ahead + offset, 0, 3);
+inline void stream_line(const scalar_t* ahead, int64_t offset) {
+  if (ahead && offset * static_cast<int64_t>(sizeof(scalar_t)) % 64 == 0)
+    __builtin_prefetch(ahead + offset, 0, 3);
 }
 
 // Scores of G query heads (scaled, fp32, [G][D]) against NB blocks of keys, each
@@ -94,7 +91,7 @@ inline void block_scores(const float* q, const scalar_t* const* kblocks, float* 
         vf16 k[NB];
         for (int j = 0; j < NB; ++j)
           k[j] = llmserve::in_register(load16(kblocks[j] + (d + a) * BS + c));
-        for (int j = 0; ahead && j < NB; ++j) stream_line(ahead[j], (d + a) * BS + c, d + a);
+        for (int j = 0; ahead && j < NB; ++j) stream_line(ahead[j], (d + a) * BS + c);
         for (int g = 0; g < G; ++g) {
           const float x = q[g * D + d + a];
           for (int j = 0; j < NB; ++j) acc[g][j][a] += x * k[j];
@@ -132,7 +129,7 @@ inline void block_values(const float* p, int64_t stride, int64_t valid, const sc
     for (int parity = 0; parity < P; ++parity)
       for (int c = 0; c < D / 16; ++c) {
         const vf16 v = llmserve::in_register(load16(vblock + (t + parity) * D + c * 16));
-        stream_line(ahead, (t + parity) * D + c * 16, c);
+        stream_line(ahead, (t + parity) * D + c * 16);
         for (int g = 0; g < G; ++g) acc[parity][g][c] += p[g * stride + t + parity] * v;
       }
   for (; t < valid; ++t)
