@@ -133,8 +133,8 @@ struct DecodeChunk {
   int64_t seq, n0, n1;
 };
 
-// The fewest blocks a chunk walks: below it the partials cost more to merge
-// than the walk saves.
+// The fewest blocks a thread's run of chunks walks: below it the partials cost
+// more to merge than the walk saves.
 constexpr int64_t kMinChunkBlocks = 2;
 
 // out[i] for each query head i of one sequence from its chunks' partials, each
@@ -160,10 +160,10 @@ void merge_chunks(const float* partial, int64_t chunks, int64_t heads, int64_t w
 
 // Work items are whole sequences when there are enough of them to share out (4
 // per thread). Fewer sequences (one stream's decode, a few) are cut into chunks
-// of blocks, about 4 per thread in all, each with every KV head, merged after:
-// every thread walks its share of whole blocks, whatever the number of KV heads
-// (split by KV head, SmolLM2's 3 gave one thread of two twice the other's work).
-// Shared out with stealing, as the GEMM's (work_stealing.h).
+// of blocks, each with every KV head, merged after: every thread walks its share
+// of whole blocks, whatever the number of KV heads (split by KV head, SmolLM2's 3
+// gave one thread of two twice the other's work). Shared out with stealing, as
+// the GEMM's (work_stealing.h).
 template <typename q_t, typename scalar_t, int BS, int D>
 struct Decode {
   // The step's tensors as both ways of sharing out the work read them.
@@ -202,20 +202,34 @@ struct Decode {
     return {x.kc, x.table + b * x.max_blocks, (x.lens[b] + BS - 1) / BS};
   }
 
-  static void chunked(const Batch& x) {
-    std::vector<int64_t> num_blocks(x.B);
+  // The batch's blocks, sequence after sequence, cut into one run a thread of
+  // equal length, and each run into chunks where sequences end; first[b] is
+  // sequence b's first chunk. Chunks of a quarter of a run each were slower for
+  // one stream: each chunk starts its walk cold and leaves a partial to merge
+  // (bench/NOTES.md).
+  static std::vector<DecodeChunk> cut(const Batch& x, std::vector<int64_t>& first) {
     int64_t total_blocks = 0;
-    for (int64_t b = 0; b < x.B; ++b) total_blocks += num_blocks[b] = (x.lens[b] + BS - 1) / BS;
-    const int64_t items = 4 * at::get_num_threads();
-    const int64_t per = std::max(kMinChunkBlocks, (total_blocks + items - 1) / items);
+    for (int64_t b = 0; b < x.B; ++b) total_blocks += (x.lens[b] + BS - 1) / BS;
+    const int64_t threads = at::get_num_threads();
+    const int64_t run = std::max(kMinChunkBlocks, (total_blocks + threads - 1) / threads);
     std::vector<DecodeChunk> chunks;
-    std::vector<int64_t> first(x.B + 1);
+    int64_t before = 0;  // the blocks of the sequences before b
     for (int64_t b = 0; b < x.B; ++b) {
       first[b] = static_cast<int64_t>(chunks.size());
-      for (int64_t n0 = 0; n0 < num_blocks[b]; n0 += per)
-        chunks.push_back({b, n0, std::min(n0 + per, num_blocks[b])});
+      const int64_t num_blocks = (x.lens[b] + BS - 1) / BS;
+      for (int64_t n0 = 0, n1; n0 < num_blocks; n0 = n1) {
+        n1 = std::min(num_blocks, ((before + n0) / run + 1) * run - before);
+        chunks.push_back({b, n0, n1});
+      }
+      before += num_blocks;
     }
     first[x.B] = static_cast<int64_t>(chunks.size());
+    return chunks;
+  }
+
+  static void chunked(const Batch& x) {
+    std::vector<int64_t> first(x.B + 1);
+    const std::vector<DecodeChunk> chunks = cut(x, first);
     const int64_t width = x.H * D + 2 * x.H;
     std::vector<float> partial(chunks.size() * width);
     llmserve::parallel_for_stealing(first[x.B], [&](auto& next) {

@@ -47,12 +47,28 @@ def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtyp
     heads per KV head: one pass, or two passes of 4 heads. Keys are scored four
     blocks at a time, then one by one (70 tokens: 4 + 1 blocks of 16). With at
     least 4 sequences a thread (12 and 9 on 2 cores), an item is a whole
-    sequence; otherwise a chunk of one's blocks, the chunks' softmax partials
-    merged after (1,000 tokens: 63 blocks of 16 in chunks of 8). Where a 16-bit
+    sequence; otherwise the batch's blocks are cut into a run a thread, and the
+    runs into chunks where sequences end, the chunks' softmax partials merged
+    after (1,000 tokens: 63 blocks of 16 in runs of 32 on 2 cores). Where a 16-bit
     walk asks for lines blocks ahead (streams_ahead), the blocks asked for lie in
     its own walk (300 tokens: 19 blocks of 16), in the values after the keys, or
     in the next sequence's keys (70 tokens)."""
     _check_decode(batch, heads, kv_heads, 64, max_len, dtype, block_size)
+
+
+@pytest.mark.parametrize("threads", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_cut_into_runs(threads, dtype):
+    """With more threads than sequences, a sequence spans several threads' runs,
+    a chunk in each, merged after: here 63 blocks and 27, in runs of 30 (3
+    threads) or 23 (4), the first sequence in three chunks, the second in one or
+    two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_decode(2, 9, 3, 64, 1000, dtype, 16)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
