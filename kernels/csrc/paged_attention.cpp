@@ -199,8 +199,11 @@ struct Decode {
   // range, front to back); none past the batch.
   static Walk<scalar_t> keys_of(const Batch& x, int64_t b) {
     if (b >= x.B) return {};
-    return {x.kc, x.table + b * x.max_blocks, (x.lens[b] + BS - 1) / BS};
+    return {x.kc, x.table + b * x.max_blocks, blocks_of(x, b)};
   }
+
+  // The blocks sequence b's tokens fill.
+  static int64_t blocks_of(const Batch& x, int64_t b) { return (x.lens[b] + BS - 1) / BS; }
 
   // The batch's blocks, sequence after sequence, cut into one run a thread of
   // equal length, and each run into chunks where sequences end; first[b] is
@@ -209,14 +212,14 @@ struct Decode {
   // (bench/NOTES.md).
   static std::vector<DecodeChunk> cut(const Batch& x, std::vector<int64_t>& first) {
     int64_t total_blocks = 0;
-    for (int64_t b = 0; b < x.B; ++b) total_blocks += (x.lens[b] + BS - 1) / BS;
+    for (int64_t b = 0; b < x.B; ++b) total_blocks += blocks_of(x, b);
     const int64_t threads = at::get_num_threads();
     const int64_t run = std::max(kMinChunkBlocks, (total_blocks + threads - 1) / threads);
     std::vector<DecodeChunk> chunks;
     int64_t before = 0;  // the blocks of the sequences before b
     for (int64_t b = 0; b < x.B; ++b) {
       first[b] = static_cast<int64_t>(chunks.size());
-      const int64_t num_blocks = (x.lens[b] + BS - 1) / BS;
+      const int64_t num_blocks = blocks_of(x, b);
       for (int64_t n0 = 0, n1; n0 < num_blocks; n0 = n1) {
         n1 = std::min(num_blocks, ((before + n0) / run + 1) * run - before);
         chunks.push_back({b, n0, n1});
