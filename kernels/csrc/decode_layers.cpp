@@ -55,7 +55,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 at::Tensor gated(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* packed,
                  const Step& s) {
   const int64_t n = weight.size(0);
-  if (x.size(0) > s.gemv_rows && !packed->is_mkldnn() && n % (2 * packed->size(2)) == 0)
+  if (x.size(0) > s.gemv_rows && !packed->is_mkldnn() && n % (2 * gemm_panel_columns()) == 0)
     return gemm_silu_and_mul(x, *packed, n);
   return silu_and_mul(linear(x, weight, packed, s));
 }

@@ -40,6 +40,8 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("stolen_items(int items, int stall_us) -> Tensor");
   m.def("amx_bf16_available() -> bool");
   m.def("built_for_avx512() -> bool");
+  m.def("gemm_bf16_dot_available() -> bool");
+  m.def("gemm_panel_columns() -> int");
   m.def("llama_decode_layers(Tensor x, Tensor[] weights, Tensor[] packed, Tensor(a!)[] caches, "
         "Tensor positions, Tensor cos_sin, Tensor slot_mapping, Tensor block_table, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, int gemv_rows, "
@@ -73,6 +75,8 @@ TORCH_LIBRARY_IMPL(llmserve, MkldnnCPU, m) {
 // No tensor arguments to dispatch on: one kernel for every backend.
 TORCH_LIBRARY_IMPL(llmserve, CompositeExplicitAutograd, m) {
   m.impl("amx_bf16_available", &amx_bf16_available);
+  m.impl("gemm_bf16_dot_available", &gemm_bf16_dot_available);
+  m.impl("gemm_panel_columns", &gemm_panel_columns);
   m.impl("built_for_avx512", &built_for_avx512);
   m.impl("stolen_items", &stolen_items);
 }

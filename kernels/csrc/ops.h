@@ -27,6 +27,8 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight);
 at::Tensor pack_gemm_weight(at::Tensor weight);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n);
 at::Tensor gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t n);
+int64_t gemm_panel_columns();
+bool gemm_bf16_dot_available();
 at::Tensor stolen_items(int64_t items, int64_t stall_us);
 bool amx_bf16_available();
 at::Tensor llama_decode_layers(at::Tensor x, std::vector<at::Tensor> weights,

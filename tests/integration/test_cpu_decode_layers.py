@@ -125,8 +125,9 @@ PACKED_GEMM_CASES = {
 def test_the_cpp_loop_multiplies_by_packed_weights_as_python_does(case, many, dtype, tmp_path):
     """fp32's packed paths: our GEMM with AVX-512, MKL's pack on Intel without it (MKL
     computes on any x86 CPU, so both run here); and our GEMM on a bf16 model's weights
-    (Intel without AMX) and an fp16 one's (CPUs without native fp16). C++ tells the
-    three packed kinds apart."""
+    (in pairs of K where the kernels have AVX512-BF16, widened on Intel without it or
+    AMX) and an fp16 one's (CPUs without native fp16). C++ tells the three packed kinds
+    apart."""
     if many is not PackedGemmWeights and not mkl_packing_available():
         pytest.skip("this torch has no MKL")
     model = _tiny(PACKED_GEMM_CASES[case](), tmp_path, dtype, many=many)

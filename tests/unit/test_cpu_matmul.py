@@ -18,7 +18,8 @@ from services.worker.cpu_matmul import gemm as gemm_module
 from services.worker.cpu_matmul.gemm import (FP16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
-                                             PackedGemmWeights, packed_gemm_available)
+                                             BF16_GEMV_OVER_DOT_GEMM_ROWS, PackedGemmWeights,
+                                             bf16_dot_gemm_available, packed_gemm_available)
 from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
@@ -64,7 +65,7 @@ def test_packed_gemm_sums_in_fp32(rows, n, k, dtype):
     x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     packed = torch.ops.llmserve.pack_gemm_weight(weight)
-    assert packed.shape == (-(-n // 48), k, 48) and packed.dtype == dtype
+    assert packed.shape == packed_shape(n, k, dtype) and packed.dtype == dtype
     got = torch.ops.llmserve.gemm(x, packed, n)
     assert got.dtype == dtype
     want = F.linear(x.double(), weight.double())  # the exact sums of the same values
@@ -75,13 +76,35 @@ def test_packed_gemm_sums_in_fp32(rows, n, k, dtype):
         torch.testing.assert_close(got.double(), want, rtol=ulp / 2 + 1e-5, atol=1e-5)
 
 
-def test_packed_gemm_refuses_a_weight_packed_for_another_shape():
-    packed = torch.ops.llmserve.pack_gemm_weight(torch.randn(100, 32))
+def packed_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """pack_gemm_weight's panels of 48 columns, a row per step of K; bf16 ones in pairs
+    of K (a row of 96) where our GEMM multiplies bf16 pairs and K is even."""
+    if dtype == torch.bfloat16 and bf16_dot_gemm_available() and k % 2 == 0:
+        return (-(-n // 48), k // 2, 96)
+    return (-(-n // 48), k, 48)
+
+
+@pytest.mark.skipif(not bf16_dot_gemm_available(), reason="needs AVX512-BF16 kernels")
+def test_bf16_pair_panels_follow_their_documented_layout():
+    """Panel p, row k // 2, place 2c + k % 2 holds W[48p + c][k]; zeros past W's rows."""
+    weight = torch.randn(100, 32).to(torch.bfloat16)
+    packed = torch.ops.llmserve.pack_gemm_weight(weight)
+    assert packed.shape == (3, 16, 96)
+    for p in range(3):
+        for c in range(48):
+            row = weight[48 * p + c] if 48 * p + c < 100 else torch.zeros(32, dtype=torch.bfloat16)
+            assert torch.equal(packed[p, :, 2 * c], row[0::2])
+            assert torch.equal(packed[p, :, 2 * c + 1], row[1::2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_gemm_refuses_a_weight_packed_for_another_shape(dtype):
+    packed = torch.ops.llmserve.pack_gemm_weight(torch.randn(100, 32).to(dtype))
     with pytest.raises(RuntimeError, match="pack_gemm_weight's panels"):
-        torch.ops.llmserve.gemm(torch.randn(4, 32), packed, 200)
+        torch.ops.llmserve.gemm(torch.randn(4, 32).to(dtype), packed, 200)
     with pytest.raises(RuntimeError, match="pack_gemm_weight's panels"):
-        torch.ops.llmserve.gemm(torch.randn(4, 16), packed, 100)
-    assert torch.ops.llmserve.gemm(torch.randn(0, 32), packed, 100).shape == (0, 100)
+        torch.ops.llmserve.gemm(torch.randn(4, 16).to(dtype), packed, 100)
+    assert torch.ops.llmserve.gemm(torch.randn(0, 32).to(dtype), packed, 100).shape == (0, 100)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 130, 600])
@@ -111,6 +134,8 @@ def test_packed_gemm_fuses_only_halves_of_whole_panels():
     with pytest.raises(RuntimeError, match="halves are multiples of 48 rows"):
         torch.ops.llmserve.gemm_silu_and_mul(torch.randn(4, 32), packed, 100)
     assert PackedGemmWeights(weight).silu_and_mul(torch.randn(4, 32)) is None
+    bf16 = weight.to(torch.bfloat16)  # pair panels where our GEMM multiplies bf16 pairs
+    assert PackedGemmWeights(bf16).silu_and_mul(torch.randn(4, 32).to(bf16.dtype)) is None
     assert PackedGemmWeights(torch.randn(96, 32)).silu_and_mul(torch.randn(0, 32)).shape == (0, 48)
 
 
@@ -257,8 +282,9 @@ def test_sixteen_bit_models_take_this_cpus_path():
         # 96 x 64 and 64 x 96 fill whole AMX blocks; the 300-row head does not.
         assert isinstance(model.a.cpu_weights, AMXWeights)
         assert not isinstance(model.head.cpu_weights, AMXWeights)
-    elif cpu_is_intel() and packed_gemm_available():
-        assert path == f"{PACKED_GEMM_PATH}, our GEMV for <= {GEMV_MAX_ROWS} rows"
+    elif bf16_dot_gemm_available() or (cpu_is_intel() and packed_gemm_available()):
+        rows = BF16_GEMV_OVER_DOT_GEMM_ROWS if bf16_dot_gemm_available() else GEMV_MAX_ROWS
+        assert path == f"{PACKED_GEMM_PATH}, our GEMV for <= {rows} rows"
         assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
         assert model.a.cpu_weights.many.packed.dtype == torch.bfloat16
     else:
@@ -271,16 +297,22 @@ def test_sixteen_bit_models_take_this_cpus_path():
     assert matmul(model.a, x[None, :2]).shape == (1, 2, 96)  # leading dims kept
 
 
-@pytest.mark.parametrize("intel,amx,avx512", [(True, False, True), (True, True, True),
-                                              (False, False, True), (True, False, False)])
-def test_bf16_models_take_our_gemm_on_intel_without_amx(monkeypatch, intel, amx, avx512):
+@pytest.mark.parametrize("intel,amx,avx512,dot", [
+    (True, False, True, False), (True, True, True, False), (False, False, True, False),
+    (True, False, False, False), (False, False, True, True), (True, False, True, True),
+    (True, True, True, True)])
+def test_bf16_models_take_our_gemm_without_amx_where_it_wins(monkeypatch, intel, amx, avx512,
+                                                            dot):
     """On an Intel Xeon without AMX oneDNN's bf16 product ran at 0.61-0.76x our GEMM's on
-    the same bf16 weights, and our GEMV beat that GEMM up to 8 rows (bench/NOTES.md).
-    AMX keeps its kernel; other vendors keep oneDNN (not measured there)."""
+    the same bf16 weights, and our GEMV beat that GEMM up to 8 rows; where our GEMM
+    multiplies bf16 pairs (AVX512-BF16) oneDNN's ran at 0.78-0.91x it on an AMD EPYC
+    Zen 5, and our GEMV beat it at one and two rows (bench/NOTES.md). AMX keeps its
+    kernel; other CPUs keep oneDNN (not measured there)."""
     if not onednn_native(torch.bfloat16):
         pytest.skip("oneDNN does not compute bf16 natively here")
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
     monkeypatch.setattr(choose, "amx_available", lambda: amx)
+    monkeypatch.setattr(choose, "bf16_dot_gemm_available", lambda: dot and avx512)
     monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: avx512)
     model = Tiny().to(torch.bfloat16)
@@ -290,12 +322,13 @@ def test_bf16_models_take_our_gemm_on_intel_without_amx(monkeypatch, intel, amx,
     if amx:  # (this CPU may lack it: nothing runs)
         assert path.startswith("AMX")
         return
-    ours = intel and avx512
+    ours = (intel or dot) and avx512
     assert path.startswith(PACKED_GEMM_PATH) == ours
     if ours:
-        assert model.a.cpu_weights.max_rows == GEMV_MAX_ROWS
+        rows = BF16_GEMV_OVER_DOT_GEMM_ROWS if dot else GEMV_MAX_ROWS
+        assert model.a.cpu_weights.max_rows == rows
         assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
-    for rows in (1, 8, 9, 20):  # the GEMV's rows, then the GEMM's
+    for rows in (1, 2, 3, 8, 9, 20):  # the GEMV's rows, then the GEMM's
         torch.testing.assert_close(model(x[:rows]), expected[:rows], rtol=2e-2, atol=2e-2)
 
 

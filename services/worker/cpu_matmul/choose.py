@@ -2,7 +2,9 @@
 and this CPU (the measurements behind each rule: bench/NOTES.md):
 
 - bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above; on
-  Intel CPUs without it: our GEMM on the bf16 weights, our GEMV for few rows;
+  CPUs with AVX512-BF16 (without AMX): our GEMM multiplying bf16 pairs, our GEMV
+  for one or two rows; on Intel CPUs without either: our GEMM on the bf16 weights,
+  our GEMV for few rows;
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
   one or two rows (bf16 up to four where AVX-512 runs at full width); fp16 models
   elsewhere: our GEMM on the fp16 weights where it is built, our GEMV for few rows;
@@ -25,13 +27,15 @@ from torch import nn
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import avx512_full_width, cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
-from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_PACKED_GEMM_ROWS,
+from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_DOT_GEMM_ROWS,
+                                             BF16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              FP16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH,
-                                             PackedGemmWeights, packed_gemm_available,
+                                             PackedGemmWeights, bf16_dot_gemm_available,
+                                             packed_gemm_available,
                                              packed_weights_on_huge_pages)
 from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
                                              GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
@@ -72,7 +76,8 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
 def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make | None, str]:
     if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
         return _amx_or_onednn, f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
-    if dtype == torch.bfloat16 and cpu_is_intel() and packed_gemm_available():
+    if dtype == torch.bfloat16 and (bf16_dot_gemm_available() or (
+            cpu_is_intel() and packed_gemm_available())):
         return sixteen_bit_model_weights, PACKED_GEMM_PATH
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         return onednn_weights, ONEDNN_PACKED_PATH
@@ -113,11 +118,15 @@ def onednn_gemv_rows(dtype: torch.dtype) -> int:
 
 def sixteen_bit_model_weights(weight: torch.Tensor) -> MatmulStrategy:
     """A 16-bit model's W, packed in its own dtype for our GEMM (fp32 sums), read by our
-    GEMV for few rows, as many as it beat the GEMM at in that dtype: bf16 models on Intel
-    without AMX, fp16 ones where oneDNN has no native fp16 (there torch's fp16 product
-    ran 7-9x slower than our GEMM from 16 rows on: bench/NOTES.md)."""
-    rows = (BF16_GEMV_OVER_PACKED_GEMM_ROWS if weight.dtype == torch.bfloat16
-            else FP16_GEMV_OVER_PACKED_GEMM_ROWS)
+    GEMV for few rows, as many as it beat the GEMM at in that dtype: bf16 models on CPUs
+    with AVX512-BF16 (pairs of K) or on Intel without AMX, fp16 ones where oneDNN has no
+    native fp16 (there torch's fp16 product ran 7-9x slower than our GEMM from 16 rows
+    on: bench/NOTES.md)."""
+    if weight.dtype == torch.bfloat16:
+        rows = (BF16_GEMV_OVER_DOT_GEMM_ROWS if bf16_dot_gemm_available()
+                else BF16_GEMV_OVER_PACKED_GEMM_ROWS)
+    else:
+        rows = FP16_GEMV_OVER_PACKED_GEMM_ROWS
     return with_gemv(weight, gemv_rows(rows), PackedGemmWeights(weight))
 
 

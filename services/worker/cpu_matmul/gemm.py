@@ -5,7 +5,9 @@ shapes from 2 to 256 rows on an AMD EPYC, and about matched at 2,048) and of
 MKL's (which it beat from 2 to 512 rows on an Intel Xeon, and about matched at
 2,048); and a bf16 model's path on Intel CPUs without AMX, on its bf16 weights
 with fp32 sums, where oneDNN's bf16 product ran at 0.61-0.76x its rate from 8
-to 2,048 rows (bench/NOTES.md). On an MLP's gate_up weight it also applies the
+to 2,048 rows, and on any CPU whose kernels multiply bf16 pairs (AVX512-BF16),
+where oneDNN's ran at 0.78-0.91x it from 8 to 256 rows on an AMD EPYC Zen 5
+(bench/NOTES.md). On an MLP's gate_up weight it also applies the
 activation inside the product (fused_silu_and_mul)."""
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH = GEMV_MAX_ROWS
 # A bf16 model's own weights: our GEMV read them faster than the packed GEMM at
 # every row count it takes (Intel Xeon, bench/NOTES.md).
 BF16_GEMV_OVER_PACKED_GEMM_ROWS = GEMV_MAX_ROWS
+# A bf16 model's own weights on pair panels (VDPBF16PS, gemm_bf16_dot_available):
+# on an AMD EPYC Zen 5 our GEMV read them faster than the packed GEMM at one and two
+# rows, and at three and four won one round of two (bench/NOTES.md).
+BF16_GEMV_OVER_DOT_GEMM_ROWS = 2
 # An fp16 model's own weights where oneDNN has no native fp16: on an AMD EPYC Zen 5
 # our GEMV read them faster than the packed GEMM up to 4 rows and lost at 8
 # (bench/NOTES.md).
@@ -53,7 +59,7 @@ class PackedGemmWeights:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a gate/up weight's x W^T in the product's own pass, where
         each half is whole panels; None where it is not."""
-        if self.out_features % (2 * self.packed.shape[2]):
+        if self.out_features % (2 * torch.ops.llmserve.gemm_panel_columns()):
             return None
         return torch.ops.llmserve.gemm_silu_and_mul(x, self.packed, self.out_features)
 
@@ -70,6 +76,12 @@ def fused_silu_and_mul(strategy, x: torch.Tensor) -> torch.Tensor | None:
 def packed_gemm_available() -> bool:
     """Whether the kernel is built here for AVX-512 (24 sums need its 32 registers)."""
     return kernels_built_for_avx512()
+
+
+def bf16_dot_gemm_available() -> bool:
+    """Whether the kernel multiplies bf16 by bf16 here (built with AVX512-BF16): bf16
+    weights are then packed in pairs of K for it."""
+    return packed_gemm_available() and bool(torch.ops.llmserve.gemm_bf16_dot_available())
 
 
 def packed_weights_on_huge_pages(strategies: list) -> int:
