@@ -263,6 +263,7 @@ inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t val
 // Per-thread buffers, grown to the longest sequence a thread meets.
 struct Scratch {
   std::vector<float> q, scores, acc, top, sum;
+  std::vector<uint32_t> qpairs;  // a bf16 prefill query's value pairs (paged_prefill.cpp)
 };
 
 // The block sizes and head dims the kernels are specialized for (registers and

@@ -86,11 +86,12 @@ def test_prefill_attention_equals_dense_causal_attention(heads, kv_heads, dtype,
            dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
-def test_prefill_attention_head_dims(head_dim):
-    """Each compiled head dim; at 96 and 128, passes of 2 query rows."""
-    _check(_Batch(MIXED, 9, 3, head_dim, 16, torch.float32, torch.float32, seed=head_dim),
-           torch.float32)
+def test_prefill_attention_head_dims(head_dim, dtype):
+    """Each compiled head dim; at 96 and 128, passes of 2 query rows. In bf16 the
+    scores multiply bf16 pairs of d where the kernels have AVX512-BF16."""
+    _check(_Batch(MIXED, 9, 3, head_dim, 16, dtype, dtype, seed=head_dim), dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
