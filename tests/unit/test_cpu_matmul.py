@@ -18,8 +18,10 @@ from services.worker.cpu_matmul import gemm as gemm_module
 from services.worker.cpu_matmul.gemm import (FP16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
-                                             BF16_GEMV_OVER_DOT_GEMM_ROWS, PackedGemmWeights,
-                                             bf16_dot_gemm_available, packed_gemm_available)
+                                             BF16_GEMV_OVER_DOT_GEMM_ROWS,
+                                             BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH,
+                                             PackedGemmWeights, bf16_dot_gemm_available,
+                                             packed_gemm_available)
 from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
@@ -283,7 +285,7 @@ def test_sixteen_bit_models_take_this_cpus_path():
         assert isinstance(model.a.cpu_weights, AMXWeights)
         assert not isinstance(model.head.cpu_weights, AMXWeights)
     elif bf16_dot_gemm_available() or (cpu_is_intel() and packed_gemm_available()):
-        rows = BF16_GEMV_OVER_DOT_GEMM_ROWS if bf16_dot_gemm_available() else GEMV_MAX_ROWS
+        rows = choose.bf16_packed_gemv_rows()
         assert path == f"{PACKED_GEMM_PATH}, our GEMV for <= {rows} rows"
         assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
         assert model.a.cpu_weights.many.packed.dtype == torch.bfloat16
@@ -306,13 +308,14 @@ def test_bf16_models_take_our_gemm_without_amx_where_it_wins(monkeypatch, intel,
     """On an Intel Xeon without AMX oneDNN's bf16 product ran at 0.61-0.76x our GEMM's on
     the same bf16 weights, and our GEMV beat that GEMM up to 8 rows; where our GEMM
     multiplies bf16 pairs (AVX512-BF16) oneDNN's ran at 0.78-0.91x it on an AMD EPYC
-    Zen 5, and our GEMV beat it at one and two rows (bench/NOTES.md). AMX keeps its
+    Zen 5, and our GEMV beat it up to four rows (bench/NOTES.md). AMX keeps its
     kernel; other CPUs keep oneDNN (not measured there)."""
     if not onednn_native(torch.bfloat16):
         pytest.skip("oneDNN does not compute bf16 natively here")
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
     monkeypatch.setattr(choose, "amx_available", lambda: amx)
     monkeypatch.setattr(choose, "bf16_dot_gemm_available", lambda: dot and avx512)
+    monkeypatch.setattr(choose, "avx512_full_width", lambda: True)
     monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: avx512)
     monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: avx512)
     model = Tiny().to(torch.bfloat16)
@@ -325,7 +328,7 @@ def test_bf16_models_take_our_gemm_without_amx_where_it_wins(monkeypatch, intel,
     ours = (intel or dot) and avx512
     assert path.startswith(PACKED_GEMM_PATH) == ours
     if ours:
-        rows = BF16_GEMV_OVER_DOT_GEMM_ROWS if dot else GEMV_MAX_ROWS
+        rows = BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH if dot else GEMV_MAX_ROWS
         assert model.a.cpu_weights.max_rows == rows
         assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
     for rows in (1, 2, 3, 8, 9, 20):  # the GEMV's rows, then the GEMM's
@@ -500,21 +503,26 @@ def test_avx512_runs_at_full_width_on_intel_and_from_zen_5(monkeypatch, vendor, 
     assert cpu_info.avx512_full_width() == full_width
 
 
-@pytest.mark.parametrize("full_width,sixteen_bit_rows,bf16_rows", [
-    (True, GEMV_MAX_ROWS, BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH),
-    (False, 1, GEMV_OVER_ONEDNN_ROWS)])
+@pytest.mark.parametrize("full_width,sixteen_bit_rows,bf16_rows,dot_rows", [
+    (True, GEMV_MAX_ROWS, BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
+     BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH),
+    (False, 1, GEMV_OVER_ONEDNN_ROWS, BF16_GEMV_OVER_DOT_GEMM_ROWS)])
 def test_off_intel_full_width_avx512_gives_16_bit_gemvs_more_rows(monkeypatch, full_width,
-                                                                  sixteen_bit_rows, bf16_rows):
+                                                                  sixteen_bit_rows, bf16_rows,
+                                                                  dot_rows):
     """On an AMD EPYC Zen 5 our GEMV on a 16-bit copy of the weights beat our packed GEMM
     on the fp32 ones at every row count it takes, and on a bf16 model's own weights
-    oneDNN's bf16 product up to 4 rows; the fp32 GEMV tied the GEMM from 2 to 6 rows
-    and lost at 7-8, so it keeps one row. Zen 4 keeps one row and two (bench/NOTES.md)."""
+    oneDNN's bf16 product up to 4 rows, and our GEMM on pair panels up to 4 rows too;
+    the fp32 GEMV tied the GEMM from 2 to 6 rows and lost at 7-8, so it keeps one row.
+    Zen 4 keeps one row and two (bench/NOTES.md)."""
     monkeypatch.setattr(gemv_module, "kernels_built_for_avx512", lambda: True)
     monkeypatch.setattr(gemm_module, "kernels_built_for_avx512", lambda: True)
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: False)
     monkeypatch.setattr(choose, "avx512_full_width", lambda: full_width)
     assert weight_dtype_max_rows() == sixteen_bit_rows
     assert onednn_gemv_rows(torch.bfloat16) == bf16_rows
+    monkeypatch.setattr(choose, "bf16_dot_gemm_available", lambda: True)
+    assert choose.bf16_packed_gemv_rows() == dot_rows
     assert onednn_gemv_rows(torch.float16) == onednn_gemv_rows(torch.float32) == \
         GEMV_OVER_ONEDNN_ROWS
     assert fp32_gemv_rows() == GEMV_OVER_PACKED_GEMM_ROWS

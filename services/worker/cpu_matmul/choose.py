@@ -3,8 +3,8 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
 
 - bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above; on
   CPUs with AVX512-BF16 (without AMX): our GEMM multiplying bf16 pairs, our GEMV
-  for one or two rows; on Intel CPUs without either: our GEMM on the bf16 weights,
-  our GEMV for few rows;
+  for up to four rows (two where AVX-512 runs at half width); on Intel CPUs without
+  either: our GEMM on the bf16 weights, our GEMV for few rows;
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
   one or two rows (bf16 up to four where AVX-512 runs at full width); fp16 models
   elsewhere: our GEMM on the fp16 weights where it is built, our GEMV for few rows;
@@ -28,6 +28,7 @@ from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import avx512_full_width, cpu_is_intel
 from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
 from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_DOT_GEMM_ROWS,
+                                             BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH,
                                              BF16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              FP16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS,
@@ -122,12 +123,18 @@ def sixteen_bit_model_weights(weight: torch.Tensor) -> MatmulStrategy:
     with AVX512-BF16 (pairs of K) or on Intel without AMX, fp16 ones where oneDNN has no
     native fp16 (there torch's fp16 product ran 7-9x slower than our GEMM from 16 rows
     on: bench/NOTES.md)."""
-    if weight.dtype == torch.bfloat16:
-        rows = (BF16_GEMV_OVER_DOT_GEMM_ROWS if bf16_dot_gemm_available()
-                else BF16_GEMV_OVER_PACKED_GEMM_ROWS)
-    else:
-        rows = FP16_GEMV_OVER_PACKED_GEMM_ROWS
-    return with_gemv(weight, gemv_rows(rows), PackedGemmWeights(weight))
+    rows = (bf16_packed_gemv_rows() if weight.dtype == torch.bfloat16
+            else gemv_rows(FP16_GEMV_OVER_PACKED_GEMM_ROWS))
+    return with_gemv(weight, rows, PackedGemmWeights(weight))
+
+
+def bf16_packed_gemv_rows() -> int:
+    """How many rows our GEMV takes in front of our packed GEMM on a bf16 model's
+    weights: pair panels where the kernels multiply bf16 pairs, else widened ones."""
+    if not bf16_dot_gemm_available():
+        return gemv_rows(BF16_GEMV_OVER_PACKED_GEMM_ROWS)
+    return gemv_rows(BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH if avx512_full_width()
+                     else BF16_GEMV_OVER_DOT_GEMM_ROWS)
 
 
 def weight_dtype_max_rows() -> int:

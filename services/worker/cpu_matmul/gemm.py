@@ -35,9 +35,12 @@ SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH = GEMV_MAX_ROWS
 # A bf16 model's own weights: our GEMV read them faster than the packed GEMM at
 # every row count it takes (Intel Xeon, bench/NOTES.md).
 BF16_GEMV_OVER_PACKED_GEMM_ROWS = GEMV_MAX_ROWS
-# A bf16 model's own weights on pair panels (VDPBF16PS, gemm_bf16_dot_available):
-# on an AMD EPYC Zen 5 our GEMV read them faster than the packed GEMM at one and two
-# rows, and at three and four won one round of two (bench/NOTES.md).
+# A bf16 model's own weights on pair panels (VDPBF16PS, bf16_dot_gemm_available):
+# where AVX-512 runs at full width (an AMD EPYC Zen 5) our GEMV read them faster than
+# the packed GEMM up to four rows (in 5 of 6 rounds at three and at four) and at 0.55x
+# its rate at five (bench/NOTES.md). At half width two rows, as in front of oneDNN
+# there (not measured against this GEMM).
+BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH = 4
 BF16_GEMV_OVER_DOT_GEMM_ROWS = 2
 # An fp16 model's own weights where oneDNN has no native fp16: on an AMD EPYC Zen 5
 # our GEMV read them faster than the packed GEMM up to 4 rows and lost at 8
