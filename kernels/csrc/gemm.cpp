@@ -317,6 +317,8 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& packed, int64_t
     if (M > 0 && gated) gemm_silu_and_mul_impl(xp, M, K, w, n, out);
     if (M > 0 && !gated) gemm_impl(xp, M, K, w, packed.size(0), out, n);
     return y;
+#else
+    TORCH_CHECK(false, "gemm: pair panels need kernels built with AVX512-BF16");
 #endif
   }
   const auto x32 = x.to(at::kFloat).contiguous();
