@@ -307,15 +307,19 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const char* nam
 // bf16 on pair panels, else fp32 sums for the caller to round.
 at::Tensor packed_product(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated) {
   const int64_t M = x.size(0), K = x.size(1), cols = gated ? n / 2 : n;
+  auto product = [&](const auto* xp, const auto* w, auto* out) {
+    if (M == 0) return;
+    if (gated)
+      gemm_silu_and_mul_impl(xp, M, K, w, n, out);
+    else
+      gemm_impl(xp, M, K, w, packed.size(0), out, n);
+  };
   if (pair_panels(packed)) {
 #if defined(__AVX512BF16__)
     const auto xb = x.contiguous();
     auto y = at::empty({M, cols}, x.options());
-    const auto* xp = xb.data_ptr<at::BFloat16>();
-    const auto* w = packed.data_ptr<at::BFloat16>();
-    auto* out = y.data_ptr<at::BFloat16>();
-    if (M > 0 && gated) gemm_silu_and_mul_impl(xp, M, K, w, n, out);
-    if (M > 0 && !gated) gemm_impl(xp, M, K, w, packed.size(0), out, n);
+    product(xb.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
+            y.data_ptr<at::BFloat16>());
     return y;
 #else
     TORCH_CHECK(false, "gemm: pair panels need kernels built with AVX512-BF16");
@@ -323,14 +327,8 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& packed, int64_t
   }
   const auto x32 = x.to(at::kFloat).contiguous();
   auto y = at::empty({M, cols}, x32.options());
-  if (M == 0) return y;
   AT_DISPATCH_V2(packed.scalar_type(), "gemm", AT_WRAP([&] {
-                   const auto* w = packed.data_ptr<scalar_t>();
-                   auto* out = y.data_ptr<float>();
-                   if (gated)
-                     gemm_silu_and_mul_impl(x32.data_ptr<float>(), M, K, w, n, out);
-                   else
-                     gemm_impl(x32.data_ptr<float>(), M, K, w, packed.size(0), out, n);
+                   product(x32.data_ptr<float>(), packed.data_ptr<scalar_t>(), y.data_ptr<float>());
                  }),
                  at::kFloat, at::kBFloat16, at::kHalf);
   return y;

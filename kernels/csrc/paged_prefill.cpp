@@ -26,9 +26,9 @@ namespace {
 // multiply-adds. The products are exact in fp32 and the sums fp32; the scale
 // multiplies the sums (exact where it is a power of two, as for D = 64). A
 // prefill item's K vectors, loaded once from L1, serve its 48 query rows, so
-// its scores wait on arithmetic: 16 x 128 tokens' prefill attention took 16%
-// less time, 2 x 1,024 10-23%. A decode's scores wait on K streaming from
-// memory and were no faster this way (bench/NOTES.md): decodes widen.
+// its scores wait on arithmetic, and pairs took time off prefill attention. A
+// decode's scores wait on K streaming from memory and were no faster this way
+// (bench/NOTES.md): decodes widen.
 constexpr bool kBf16PairScores = true;
 
 // Word 2i of a row pair's interleaving is token i of the first row, 2i + 1 of

@@ -55,6 +55,8 @@ class PackedGemmWeights:
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]
         self.packed = torch.ops.llmserve.pack_gemm_weight(weight.detach())
+        # gemm_silu_and_mul takes a gate_up weight whose halves are whole panels.
+        self.fuses_silu = self.out_features % (2 * torch.ops.llmserve.gemm_panel_columns()) == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmserve.gemm(x, self.packed, self.out_features)
@@ -62,7 +64,7 @@ class PackedGemmWeights:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a gate/up weight's x W^T in the product's own pass, where
         each half is whole panels; None where it is not."""
-        if self.out_features % (2 * torch.ops.llmserve.gemm_panel_columns()):
+        if not self.fuses_silu:
             return None
         return torch.ops.llmserve.gemm_silu_and_mul(x, self.packed, self.out_features)
 
