@@ -81,12 +81,11 @@ def context_from_headers(headers: dict[str, str]) -> context.Context:
     return propagate.extract(headers)
 
 
-def links_to(headers: Iterable[dict[str, str]]) -> list[trace.Link]:
-    """Links to the spans whose W3C headers are given (a batched step links to the
-    requests it serves rather than having one parent)."""
-    contexts = (trace.get_current_span(propagate.extract(h)).get_span_context()
-                for h in headers)
-    return [trace.Link(c) for c in contexts if c.is_valid]
+def link_to(headers: dict[str, str]) -> trace.Link | None:
+    """A link to the span whose W3C headers are given (a batched step links to the
+    requests it serves rather than having one parent); None for no valid span."""
+    span_context = trace.get_current_span(propagate.extract(headers)).get_span_context()
+    return trace.Link(span_context) if span_context.is_valid else None
 
 
 def context_from_metadata(metadata: Iterable[tuple[str, str]] | None) -> context.Context:

@@ -241,10 +241,10 @@ class EngineCore:
         if not tracing.is_exporting():
             return None
         requests = self.scheduler.requests
-        headers = [requests[r].trace_headers for r in scheduler_output.num_scheduled_tokens
-                   if r in requests]
+        links = [requests[r].trace_link for r in scheduler_output.num_scheduled_tokens
+                 if r in requests]
         return _tracer.start_span(
-            "engine_core.step", links=tracing.links_to(headers), attributes={
+            "engine_core.step", links=[link for link in links if link], attributes={
                 "llmserve.step.num_requests": len(scheduler_output.num_scheduled_tokens),
                 "llmserve.step.num_tokens": scheduler_output.total_num_scheduled_tokens})
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.common import tracing
 from services.common.request_events import RequestEvent, RequestEventKind
 from services.common.pooling_params import PoolingParams
 from services.common.request_types import EngineCoreRequest, FinishReason, SamplingParams
@@ -93,6 +95,13 @@ class Request:
                    output_token_ids=list(request.output_token_ids),
                    lora_id=request.lora_request.lora_int_id if request.lora_request else 0,
                    pooling_params=request.pooling_params)
+
+    @functools.cached_property
+    def trace_link(self):
+        """Its span (trace_headers) as a link of the steps that serve it, parsed
+        once rather than every step (a step of 64 requests spent more time
+        parsing their headers than making its span; bench/NOTES.md)."""
+        return tracing.link_to(self.trace_headers)
 
     @property
     def needs_every_prompt_position(self) -> bool:
