@@ -57,6 +57,7 @@ def test_every_section_has_positive_figures(bench_run):
     cost = results["observability"]
     assert positive(cost["off_output_tok_s"]) and positive(cost["on_output_tok_s"])
     assert cost["spans_received"] > 0  # "on" really exported its spans
+    assert len(cost["round_costs_pct"]) == cost["rounds"] == 5
     rows = results["pipeline"]["rows"]
     assert [(r["stages"], r["batch_queue"]) for r in rows] == [(1, True), (2, True), (2, False)]
     assert all(positive(r["output_tok_s"]) and positive(r["itl_p50_s"]) for r in rows)
