@@ -84,7 +84,7 @@ def context_from_headers(headers: dict[str, str]) -> context.Context:
 def link_to(headers: dict[str, str]) -> trace.Link | None:
     """A link to the span whose W3C headers are given (a batched step links to the
     requests it serves rather than having one parent); None for no valid span."""
-    span_context = trace.get_current_span(propagate.extract(headers)).get_span_context()
+    span_context = trace.get_current_span(context_from_headers(headers)).get_span_context()
     return trace.Link(span_context) if span_context.is_valid else None
 
 
