@@ -55,6 +55,7 @@ def _variant(s: Settings, model_dir: str, phases: Phases, variant: tuple, batch:
                                                single, s.single_stream_len)
     finally:
         if stack is not None:
+            engine.engine_core.shutdown()  # the step streams end before the workers
             stack.stop(grace_s=10.0)
     return {"label": label, "stages": stages, "batch_queue": queue, "seconds": wall,
             "output_tok_s": len(batch) * s.output_len / wall,

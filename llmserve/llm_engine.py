@@ -61,8 +61,16 @@ def engine_core_over_workers(stack) -> EngineCore:
     except BaseException:
         stack.stop(grace_s=5.0)
         raise
-    weakref.finalize(core, stack.stop, 5.0)
+    weakref.finalize(core, _stop_workers, executor, stack)
     return core
+
+
+def _stop_workers(executor: GrpcExecutor, stack) -> None:
+    """Ends the step streams, then stops the workers. A worker stopped with its
+    stream still open waits out its grace period and then cuts the call, which
+    gRPC logs at ERROR with a traceback."""
+    executor.shutdown()
+    stack.stop(grace_s=5.0)
 
 
 def _resolved(config: EngineConfig) -> EngineConfig:

@@ -7,7 +7,9 @@ A tiny random Llama (4 layers, 4 heads, 2 KV heads: splittable 2 and 3 ways, and
 in two by TP) with the default model's tokenizer; the offline test runs the
 default model's real weights."""
 import concurrent.futures
+import gc
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -217,11 +219,12 @@ def test_a_stage_killed_mid_stream_loses_nothing(tiny_model_dir, tmp_path):
 
 
 def test_the_offline_api_splits_the_default_model_into_two_stages(model_dir, hf_model,
-                                                                  tokenizer):
+                                                                  tokenizer, capfd):
     """LLM(pipeline_parallel_size=2) starts a worker process per stage (15 of the
     default model's 30 layers each) and gives the one-stage greedy tokens; beam
     search, whose forks each stage copies for its own layers, gives transformers'
-    beams."""
+    beams. Dropped, it ends its step streams before it stops the workers, so they
+    stop without cutting a call (which gRPC logs at ERROR)."""
     from llmserve.sampling_params import BeamSearchParams
     from tests.integration.test_beam_search import hf_beams
 
@@ -236,6 +239,12 @@ def test_the_offline_api_splits_the_default_model_into_two_stages(model_dir, hf_
     for ids, output in zip(prompt_ids, beams):
         assert all(s.finish_reason == "length" for s in output.sequences)
         assert [s.tokens[len(ids):] for s in output.sequences] == hf_beams(hf_model, ids, 3, 8)
+    core = weakref.ref(llm.llm_engine.engine_core)
     del llm
+    gc.collect()
+    assert core() is None
+    workers_log = capfd.readouterr().err
+    assert workers_log.count("llmserve.worker.v1.Worker stopped") == 2, workers_log
+    assert " ERROR " not in workers_log, workers_log
     assert [list(o.outputs[0].token_ids) for o in outputs] == one_stage_greedy(
         model_dir, prompts, MAX_TOKENS)
