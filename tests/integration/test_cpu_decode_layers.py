@@ -11,6 +11,8 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from services.common.request_types import EngineCoreRequest, SamplingParams
 from services.common.scheduler_output import (CachedRequestData, NewRequestData,
                                               SchedulerOutput)
+from services.worker.cpu_matmul import prepare_cpu_linears
+from services.worker.cpu_matmul.amx import GEMV_OVER_AMX_ROWS, amx_available
 from services.worker.cpu_matmul.gemm import PackedGemmWeights
 from services.worker.cpu_matmul.gemv import GemvForFewRows
 from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
@@ -57,7 +59,7 @@ def _both_ways(runner: ModelRunner, so: SchedulerOutput) -> tuple[torch.Tensor, 
     inner = runner.model.model
     fast = inner.cpu_decode
     assert fast.takes(step.input_ids, step.attn_metadata) == (
-        bool(fast.packed) or len(step.input_ids) <= 2)
+        bool(fast.packed) or len(step.input_ids) <= fast.gemv_rows)
     outs = []
     for path in (fast, None):
         inner.cpu_decode = path
@@ -158,6 +160,20 @@ def test_a_linear_off_our_gemv_or_with_lora_stays_in_python(tmp_path):
     del down.lora  # back to the class's None
     assert model.use_cpu_decode_layers()
     assert model.model.cpu_decode.max_rows == ANY_ROWS
+
+
+def test_a_bf16_model_on_amx_takes_the_cpp_loop_for_its_gemvs_rows(tmp_path):
+    """On AMX a bf16 model's linears run our GEMV for few rows, so one stream's steps
+    take the C++ loop; the AMX kernel's steps stay in Python."""
+    if not amx_available():
+        pytest.skip("this CPU (or the kernels' build) has no AMX-BF16")
+    tiny_hf_model(LlamaConfig(**SHAPE)).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), torch.bfloat16, MAX_POSITIONS, CPU)
+    assert "AMX" in prepare_cpu_linears(linear_layers(model), torch.bfloat16, None)
+    assert model.use_cpu_decode_layers()
+    fast = model.model.cpu_decode
+    assert fast.max_rows == fast.gemv_rows == GEMV_OVER_AMX_ROWS and not fast.packed
+    _decode_steps(model, torch.bfloat16)
 
 
 def test_without_onednn_above_the_gemv_it_takes_the_gemvs_rows_only(tmp_path):

@@ -9,7 +9,8 @@ from kernels.cpu_build import cpu_ops_available
 from services.worker import cpu_info
 from services.worker.cpu_info import cpu_is_intel
 from services.worker.cpu_matmul import choose, matmul
-from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, pack_amx_weight
+from services.worker.cpu_matmul.amx import (AMX_MAX_ROWS, GEMV_OVER_AMX_ROWS, AMXWeights,
+                                            pack_amx_weight)
 from services.worker.cpu_matmul.choose import (MKL_PACKED_PATH, ONEDNN_PACKED_PATH,
                                                PACKED_GEMM_PATH, fp32_gemv_rows, fp32_path,
                                                onednn_gemv_rows, sixteen_bit_weights,
@@ -280,10 +281,12 @@ def test_sixteen_bit_models_take_this_cpus_path():
         assert path == "F.linear"
         return
     if torch.ops.llmserve.amx_bf16_available():
-        assert path.startswith("AMX")
+        assert path == (f"our GEMV for <= {GEMV_OVER_AMX_ROWS} rows, AMX for <= "
+                        f"{AMX_MAX_ROWS}, oneDNN prepacked above")
         # 96 x 64 and 64 x 96 fill whole AMX blocks; the 300-row head does not.
-        assert isinstance(model.a.cpu_weights, AMXWeights)
-        assert not isinstance(model.head.cpu_weights, AMXWeights)
+        assert model.a.cpu_weights.max_rows == GEMV_OVER_AMX_ROWS
+        assert isinstance(model.a.cpu_weights.many, AMXWeights)
+        assert isinstance(model.head.cpu_weights.many, OneDNNWeights)
     elif bf16_dot_gemm_available() or (cpu_is_intel() and packed_gemm_available()):
         rows = choose.bf16_packed_gemv_rows()
         assert path == f"{PACKED_GEMM_PATH}, our GEMV for <= {rows} rows"
@@ -309,7 +312,7 @@ def test_bf16_models_take_our_gemm_without_amx_where_it_wins(monkeypatch, intel,
     the same bf16 weights, and our GEMV beat that GEMM up to 8 rows; where our GEMM
     multiplies bf16 pairs (AVX512-BF16) oneDNN's ran at 0.78-0.91x it on an AMD EPYC
     Zen 5, and our GEMV beat it up to four rows (bench/NOTES.md). AMX keeps its
-    kernel; other CPUs keep oneDNN (not measured there)."""
+    kernel behind our GEMV; other CPUs keep oneDNN (not measured there)."""
     if not onednn_native(torch.bfloat16):
         pytest.skip("oneDNN does not compute bf16 natively here")
     monkeypatch.setattr(choose, "cpu_is_intel", lambda: intel)
@@ -323,7 +326,9 @@ def test_bf16_models_take_our_gemm_without_amx_where_it_wins(monkeypatch, intel,
     expected = model(x)
     path = prepare_cpu_linears(model, torch.bfloat16, None)
     if amx:  # (this CPU may lack it: nothing runs)
-        assert path.startswith("AMX")
+        assert f"AMX for <= {AMX_MAX_ROWS}" in path
+        assert model.a.cpu_weights.max_rows == GEMV_OVER_AMX_ROWS
+        assert isinstance(model.a.cpu_weights.many, AMXWeights)
         return
     ours = (intel or dot) and avx512
     assert path.startswith(PACKED_GEMM_PATH) == ours

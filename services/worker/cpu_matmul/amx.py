@@ -11,6 +11,10 @@ from services.worker.cpu_matmul.onednn import OneDNNWeights
 
 # Up to this many rows our AMX kernel beats oneDNN (bench/NOTES.md).
 AMX_MAX_ROWS = 128
+# Up to this many rows our GEMV, reading the bf16 weights as they are, beats the AMX
+# kernel, which multiplies whole tiles: a step of one row costs it as much as 32
+# (bench/NOTES.md).
+GEMV_OVER_AMX_ROWS = 4
 # amx_bf16_linear's block: 32 output columns, K in steps of 32.
 AMX_BLOCK = 32
 

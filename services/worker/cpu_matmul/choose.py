@@ -1,7 +1,8 @@
 """Which strategy each linear layer gets, chosen once per model from its dtype
 and this CPU (the measurements behind each rule: bench/NOTES.md):
 
-- bf16 models on CPUs with AMX: our AMX kernel for decodes, oneDNN above; on
+- bf16 models on CPUs with AMX: our GEMV for up to four rows, our AMX kernel for
+  the rest of the decodes, oneDNN above; on
   CPUs with AVX512-BF16 (without AMX): our GEMM multiplying bf16 pairs, our GEMV
   for up to four rows (two where AVX-512 runs at half width); on Intel CPUs without
   either: our GEMM on the bf16 weights, our GEMV for few rows;
@@ -26,7 +27,8 @@ from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_info import avx512_full_width, cpu_is_intel
-from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights, amx_available, fits_amx_blocks
+from services.worker.cpu_matmul.amx import (AMX_MAX_ROWS, GEMV_OVER_AMX_ROWS, AMXWeights,
+                                            amx_available, fits_amx_blocks)
 from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_DOT_GEMM_ROWS,
                                              BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH,
                                              BF16_GEMV_OVER_PACKED_GEMM_ROWS,
@@ -76,7 +78,8 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
 
 def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make | None, str]:
     if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
-        return _amx_or_onednn, f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
+        return _amx_or_onednn, (f"our GEMV for <= {gemv_rows(GEMV_OVER_AMX_ROWS)} rows, AMX "
+                                f"for <= {AMX_MAX_ROWS}, oneDNN prepacked above")
     if dtype == torch.bfloat16 and (bf16_dot_gemm_available() or (
             cpu_is_intel() and packed_gemm_available())):
         return sixteen_bit_model_weights, PACKED_GEMM_PATH
@@ -102,7 +105,11 @@ def _many(strategy: MatmulStrategy) -> MatmulStrategy:
 
 
 def _amx_or_onednn(weight: torch.Tensor) -> MatmulStrategy:
-    return AMXWeights(weight) if fits_amx_blocks(weight) else OneDNNWeights(weight)
+    """A bf16 weight on an AMX CPU: our GEMV for few rows, then the AMX kernel where
+    the weight fills its blocks, oneDNN's packed product where it does not."""
+    if not fits_amx_blocks(weight):
+        return onednn_weights(weight)
+    return with_gemv(weight, gemv_rows(GEMV_OVER_AMX_ROWS), AMXWeights(weight))
 
 
 def onednn_weights(weight: torch.Tensor) -> MatmulStrategy:
