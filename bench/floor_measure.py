@@ -36,6 +36,7 @@ Layer = tuple[str, int, Callable[[torch.Tensor], torch.Tensor]]
 # The GEMV kernel's path; it takes at most GEMV_MAX_ROWS rows.
 GEMV_PATH = "llmserve GEMV"
 PACKED_GEMM_PATH = "llmserve packed GEMM"
+AMX_PATH = "llmserve AMX kernel"
 
 
 def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable]]:
@@ -43,9 +44,11 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
     a weight: F.linear, W packed once by oneDNN (what vLLM-CPU runs), by MKL
     (inductor's freezing; read at every row count, as the engine runs it above our
     GEMV's one row) or by us for our GEMM kernel (AVX-512; fp32 sums in any
-    dtype), and, for a few rows, our GEMV kernel reading W as it is. Which is
-    fastest depends on the CPU: MKL runs generic code on non-Intel ones."""
+    dtype), for a few rows our GEMV kernel reading W as it is, and for bf16 on AMX
+    CPUs our AMX kernel. Which is fastest depends on the CPU: MKL runs generic code
+    on non-Intel ones."""
     from kernels.cpu_build import cpu_ops_available
+    from services.worker.cpu_matmul.amx import amx_available
     from services.worker.cpu_matmul.gemm import PackedGemmWeights, packed_gemm_available
     from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
     from services.worker.cpu_matmul.onednn import OneDNNWeights, onednn_native
@@ -60,7 +63,22 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callabl
         paths[PACKED_GEMM_PATH] = PackedGemmWeights
     if cpu_ops_available():
         paths[GEMV_PATH] = lambda w: lambda x: torch.ops.llmserve.gemv(x, w)
+    if dtype == torch.bfloat16 and amx_available():
+        paths[AMX_PATH] = amx_kernel
     return paths
+
+
+def amx_kernel(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x W^T through our AMX kernel at any row count (the engine stops at AMX_MAX_ROWS,
+    where oneDNN took over when it was measured); oneDNN's packed product for a
+    weight that does not fill the kernel's blocks, as the engine runs it."""
+    from services.worker.cpu_matmul.amx import fits_amx_blocks, pack_amx_weight
+    from services.worker.cpu_matmul.onednn import OneDNNWeights
+
+    if not fits_amx_blocks(weight):
+        return OneDNNWeights(weight)
+    packed = pack_amx_weight(weight)
+    return lambda x: torch.ops.llmserve.amx_bf16_linear(x, packed)
 
 
 def prepare(weights: list[tuple[str, torch.Tensor]]) -> dict[str, list[Layer]]:

@@ -4,12 +4,15 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from bench import floor, floor_beside
 from bench import floor_measure as fm
 from bench.floor import Measured, ModelShape
 from bench.settings import Settings
+from services.worker.cpu_matmul.amx import amx_available
 from services.worker.cpu_matmul.gemm import packed_gemm_available
+from services.worker.cpu_matmul.onednn import onednn_native
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 30,
@@ -137,6 +140,22 @@ def test_measure_reports_every_m_and_json_round_trips():
     assert set(one["path_seconds"]) == set(result["paths"]) - {fm.GEMV_PATH}
     assert one["seconds"] == min(one["path_seconds"].values())
     assert one["path_seconds"][one["path"]] == one["seconds"]
+
+
+def test_bf16_on_amx_times_our_amx_kernel_too():
+    """The engine runs a bf16 model's decode steps through our AMX kernel there, so
+    the floor must know it: else a share of it overstates how near we are."""
+    if not onednn_native(torch.bfloat16):
+        pytest.skip("oneDNN does not compute bf16 natively here")
+    shape = ModelShape(hidden=64, intermediate=96, heads=2, kv_heads=1, head_dim=32, layers=1,
+                       vocab=40)  # the head (40 columns) does not fill the kernel's blocks
+    result = floor.measure(shape, "bfloat16", [3, 40])
+    assert (fm.AMX_PATH in result["paths"]) == amx_available()
+    if amx_available():
+        assert fm.AMX_PATH in result["passes"]["40"]["path_seconds"]
+        weight = torch.randn(64, 96, dtype=torch.bfloat16)
+        x = torch.randn(5, 96, dtype=torch.bfloat16)
+        torch.testing.assert_close(fm.amx_kernel(weight)(x), x @ weight.T, rtol=2e-2, atol=2e-2)
 
 
 def test_our_gemv_is_timed_for_the_rows_it_takes():
