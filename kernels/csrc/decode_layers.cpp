@@ -15,7 +15,8 @@
 namespace {
 
 // Per layer in `weights`: input norm, qkv, o, post-attention norm, gate_up, down;
-// in `packed`, where given: qkv, o, gate_up, down as our GEMM, MKL or oneDNN packed them.
+// in `packed`, where given: qkv, o, gate_up, down as our GEMM, MKL, oneDNN or our AMX
+// kernel packed them.
 constexpr int64_t kPerLayer = 6;
 constexpr int64_t kPackedPerLayer = 4;
 
@@ -31,14 +32,22 @@ at::Tensor call(const c10::OperatorHandle& op, torch::jit::Stack stack) {
   return stack[0].toTensor();
 }
 
+// Our AMX kernel's layout (cpu_matmul/amx.py pack_amx_weight): [N / 32, K / 32, 32 * 32],
+// where our GEMM's panels end in their columns (48, or 96 for pairs of K).
+bool amx_packed(const at::Tensor& packed) {
+  return !packed.is_mkldnn() && packed.dim() == 3 && packed.size(2) == 32 * 32;
+}
+
 // x W^T as the linear's strategy (cpu_matmul/gemv.py GemvForFewRows) computes it:
-// our GEMV up to its rows, else the product with the packed weight: our GEMM's
-// panels (cpu_matmul/gemm.py PackedGemmWeights), or an opaque tensor, called as
-// its strategy calls it: MKL's pack (cpu_matmul/mkl.py, a buffer of [floats, 1])
-// or oneDNN's (cpu_matmul/onednn.py, the weight's own [N, K]).
+// our GEMV up to its rows, else the product with the packed weight: our AMX
+// kernel's tiles (cpu_matmul/amx.py AMXWeights, for the rows the caller lets it
+// take), our GEMM's panels (cpu_matmul/gemm.py PackedGemmWeights), or an opaque
+// tensor, called as its strategy calls it: MKL's pack (cpu_matmul/mkl.py, a buffer
+// of [floats, 1]) or oneDNN's (cpu_matmul/onednn.py, the weight's own [N, K]).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* packed,
                   const Step& s) {
   if (x.size(0) <= s.gemv_rows) return gemv(x, weight);
+  if (amx_packed(*packed)) return amx_bf16_linear(x, *packed);
   if (!packed->is_mkldnn()) return gemm(x, *packed, weight.size(0));
   static auto& ops = c10::Dispatcher::singleton();
   static const auto mkl = ops.findSchemaOrThrow("mkl::_mkl_linear", "");
@@ -55,7 +64,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 at::Tensor gated(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* packed,
                  const Step& s) {
   const int64_t n = weight.size(0);
-  if (x.size(0) > s.gemv_rows && !packed->is_mkldnn() && n % (2 * gemm_panel_columns()) == 0)
+  if (x.size(0) > s.gemv_rows && !packed->is_mkldnn() && !amx_packed(*packed) &&
+      n % (2 * gemm_panel_columns()) == 0)
     return gemm_silu_and_mul(x, *packed, n);
   return silu_and_mul(linear(x, weight, packed, s));
 }

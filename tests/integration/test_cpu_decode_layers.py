@@ -12,7 +12,8 @@ from services.common.request_types import EngineCoreRequest, SamplingParams
 from services.common.scheduler_output import (CachedRequestData, NewRequestData,
                                               SchedulerOutput)
 from services.worker.cpu_matmul import prepare_cpu_linears
-from services.worker.cpu_matmul.amx import GEMV_OVER_AMX_ROWS, amx_available
+from services.worker.cpu_matmul.amx import (AMX_MAX_ROWS, GEMV_OVER_AMX_ROWS, AMXWeights,
+                                            amx_available, fits_amx_blocks)
 from services.worker.cpu_matmul.gemm import PackedGemmWeights
 from services.worker.cpu_matmul.gemv import GemvForFewRows
 from services.worker.cpu_matmul.mkl import MKLPackedWeights, mkl_packing_available
@@ -49,6 +50,12 @@ def _tiny(config, tmp_path, dtype=torch.float32, many=None):
 def MIXED(i: int):
     """Our packed GEMM, MKL's and oneDNN's packed weights, linear by linear."""
     return (PackedGemmWeights, MKLPackedWeights, OneDNNWeights)[i % 3]
+
+
+def AMX(weight: torch.Tensor):
+    """Our AMX kernel's tiles where the weight fills them; oneDNN's pack for the head,
+    which does not (as choose.py rules)."""
+    return AMXWeights(weight) if fits_amx_blocks(weight) else OneDNNWeights(weight)
 
 
 def _both_ways(runner: ModelRunner, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,21 +127,24 @@ PACKED_GEMM_CASES = {
                                         (MKLPackedWeights, torch.float32),
                                         (MIXED, torch.float32),
                                         (PackedGemmWeights, torch.bfloat16),
-                                        (PackedGemmWeights, torch.float16)],
+                                        (PackedGemmWeights, torch.float16),
+                                        (AMX, torch.bfloat16)],
                          ids=["packed-gemm", "mkl", "mixed", "packed-gemm-bf16",
-                              "packed-gemm-fp16"])
+                              "packed-gemm-fp16", "amx"])
 @pytest.mark.parametrize("case", PACKED_GEMM_CASES)
 def test_the_cpp_loop_multiplies_by_packed_weights_as_python_does(case, many, dtype, tmp_path):
     """fp32's packed paths: our GEMM with AVX-512, MKL's pack on Intel without it (MKL
     computes on any x86 CPU, so both run here); and our GEMM on a bf16 model's weights
     (in pairs of K where the kernels have AVX512-BF16, widened on Intel without it or
-    AMX) and an fp16 one's (CPUs without native fp16). C++ tells the three packed kinds
-    apart."""
-    if many is not PackedGemmWeights and not mkl_packing_available():
+    AMX) and an fp16 one's (CPUs without native fp16); our AMX kernel on a bf16 model's
+    tiles, up to its rows. C++ tells the four packed kinds apart."""
+    if many in (MKLPackedWeights, MIXED) and not mkl_packing_available():
         pytest.skip("this torch has no MKL")
+    if many is AMX and not amx_available():
+        pytest.skip("this CPU (or the kernels' build) has no AMX-BF16")
     model = _tiny(PACKED_GEMM_CASES[case](), tmp_path, dtype, many=many)
     assert model.use_cpu_decode_layers()
-    assert model.model.cpu_decode.max_rows == ANY_ROWS
+    assert model.model.cpu_decode.max_rows == (AMX_MAX_ROWS if many is AMX else ANY_ROWS)
     _decode_steps(model, dtype)
 
 
@@ -162,9 +172,9 @@ def test_a_linear_off_our_gemv_or_with_lora_stays_in_python(tmp_path):
     assert model.model.cpu_decode.max_rows == ANY_ROWS
 
 
-def test_a_bf16_model_on_amx_takes_the_cpp_loop_for_its_gemvs_rows(tmp_path):
-    """On AMX a bf16 model's linears run our GEMV for few rows, so one stream's steps
-    take the C++ loop; the AMX kernel's steps stay in Python."""
+def test_a_bf16_model_on_amx_takes_the_cpp_loop_up_to_the_amx_kernels_rows(tmp_path):
+    """On AMX a bf16 model's decode steps take the C++ loop: our GEMV for few rows, our
+    AMX kernel up to its rows; more stay in Python, where oneDNN takes them."""
     if not amx_available():
         pytest.skip("this CPU (or the kernels' build) has no AMX-BF16")
     tiny_hf_model(LlamaConfig(**SHAPE)).save_pretrained(tmp_path)
@@ -172,7 +182,7 @@ def test_a_bf16_model_on_amx_takes_the_cpp_loop_for_its_gemvs_rows(tmp_path):
     assert "AMX" in prepare_cpu_linears(linear_layers(model), torch.bfloat16, None)
     assert model.use_cpu_decode_layers()
     fast = model.model.cpu_decode
-    assert fast.max_rows == fast.gemv_rows == GEMV_OVER_AMX_ROWS and not fast.packed
+    assert fast.gemv_rows == GEMV_OVER_AMX_ROWS and fast.max_rows == AMX_MAX_ROWS and fast.packed
     _decode_steps(model, torch.bfloat16)
 
 

@@ -7,8 +7,9 @@ kernels themselves (bench/NOTES.md). The C++ loop runs the same kernels in the
 same order on the same tensors as LlamaDecoderLayer.forward, so its tokens are
 the same. It takes decode steps of plain layers whose linears run our GEMV for
 few rows and, above, our packed GEMM, MKL's or oneDNN's packed weights (the
-fp32 and 16-bit paths; steps of more rows where another library serves them
-stay in Python); the Python layers run everything else (prefills, mixed steps)."""
+fp32 and 16-bit paths) or our AMX kernel's (bf16 on AMX, up to its rows; steps of
+more rows where another library serves them stay in Python); the Python layers
+run everything else (prefills, mixed steps)."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from kernels.cpu_build import cpu_ops_available
 from kernels.paged_attention import KERNEL_BLOCK_SIZES, KERNEL_HEAD_DIMS
 from services.worker.attention import AttentionMetadata, CpuPagedBackend
+from services.worker.cpu_matmul.amx import AMX_MAX_ROWS, AMXWeights
 from services.worker.cpu_matmul.gemv import GemvForFewRows
 from services.worker.cpu_matmul.gemm import PackedGemmWeights
 from services.worker.cpu_matmul.mkl import MKLPackedWeights
@@ -24,7 +26,7 @@ from services.worker.cpu_matmul.onednn import OneDNNWeights
 # A step of any number of rows, where every linear has packed weights.
 ANY_ROWS = 1 << 30
 # The strategies whose packed weights the C++ loop multiplies by.
-PACKED = (PackedGemmWeights, MKLPackedWeights, OneDNNWeights)
+PACKED = (PackedGemmWeights, MKLPackedWeights, OneDNNWeights, AMXWeights)
 
 
 def _plain_linears(layer) -> list | None:
@@ -38,16 +40,23 @@ def _plain_linears(layer) -> list | None:
     return None
 
 
+def _packed_rows(many) -> int:
+    """The most rows C++ multiplies by `many`'s packed weights: our AMX kernel's up to
+    AMX_MAX_ROWS (its strategy hands more to oneDNN, which C++ is not given); any
+    for the rest."""
+    return AMX_MAX_ROWS if isinstance(many, AMXWeights) else ANY_ROWS
+
+
 class CpuDecodeLayers:
     """The weights of a model's layers listed once, in the C++ loop's order, and
     their KV caches as the model runner binds them."""
 
     def __init__(self, model, weights: list[torch.Tensor], packed: list[torch.Tensor],
-                 gemv_rows: int):
+                 gemv_rows: int, packed_rows: int = ANY_ROWS):
         self.layers = model.own_layers
         self.weights, self.packed = weights, packed
         self.gemv_rows = gemv_rows
-        self.max_rows = ANY_ROWS if packed else gemv_rows
+        self.max_rows = packed_rows if packed else gemv_rows
         attn = self.layers[0].self_attn
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.scale = attn.scale
@@ -80,7 +89,8 @@ class CpuDecodeLayers:
         # rows alone.
         if len(rows) == 1 and all(isinstance(s.many, PACKED) for s in strategies):
             packed = [s.many.packed for s in strategies]
-        return cls(model, weights + [model.norm.weight], packed, min(rows))
+        return cls(model, weights + [model.norm.weight], packed, min(rows),
+                   min(_packed_rows(s.many) for s in strategies))
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Decodes only, rows the linears take in C++, caches the kernels read."""
