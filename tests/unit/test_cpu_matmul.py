@@ -281,8 +281,8 @@ def test_sixteen_bit_models_take_this_cpus_path():
         assert path == "F.linear"
         return
     if torch.ops.llmserve.amx_bf16_available():
-        assert path == (f"our GEMV for <= {GEMV_OVER_AMX_ROWS} rows, AMX for <= "
-                        f"{AMX_MAX_ROWS}, oneDNN prepacked above")
+        assert path == (f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above, our GEMV "
+                        f"for <= {GEMV_OVER_AMX_ROWS} rows")
         # 96 x 64 and 64 x 96 fill whole AMX blocks; the 300-row head does not.
         assert model.a.cpu_weights.max_rows == GEMV_OVER_AMX_ROWS
         assert isinstance(model.a.cpu_weights.many, AMXWeights)

@@ -54,6 +54,8 @@ Make = Callable[[torch.Tensor], MatmulStrategy]
 PACKED_GEMM_PATH = "our packed GEMM"
 MKL_PACKED_PATH = "MKL prepacked"
 ONEDNN_PACKED_PATH = "oneDNN prepacked"
+# A bf16 model's on AMX CPUs.
+AMX_PATH = f"AMX for <= {AMX_MAX_ROWS} rows, oneDNN prepacked above"
 
 
 def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
@@ -69,7 +71,7 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
     packed_weights_on_huge_pages([_many(layer.cpu_weights) for layer in layers])
     # The name says what was built: with_gemv decides per layer.
     on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
-    if path in (ONEDNN_PACKED_PATH, MKL_PACKED_PATH, PACKED_GEMM_PATH) and any(on_gemv):
+    if path in (ONEDNN_PACKED_PATH, MKL_PACKED_PATH, PACKED_GEMM_PATH, AMX_PATH) and any(on_gemv):
         path += f", our GEMV for <= {layers[on_gemv.index(True)].cpu_weights.max_rows} rows"
         if not all(on_gemv):
             path += " where the input width is a multiple of 16"
@@ -78,8 +80,7 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
 
 def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make | None, str]:
     if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
-        return _amx_or_onednn, (f"our GEMV for <= {gemv_rows(GEMV_OVER_AMX_ROWS)} rows, AMX "
-                                f"for <= {AMX_MAX_ROWS}, oneDNN prepacked above")
+        return _amx_or_onednn, AMX_PATH
     if dtype == torch.bfloat16 and (bf16_dot_gemm_available() or (
             cpu_is_intel() and packed_gemm_available())):
         return sixteen_bit_model_weights, PACKED_GEMM_PATH
