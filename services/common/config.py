@@ -85,8 +85,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(2048, "tokens in one step", vllm=True)
     # Offline, throughput is what counts: no cap (the server caps steps to bound
     # inter-token latency).
+    # 192, not 256: on an AMX Xeon, fp32, a 256-token step beside 64 decodes took
+    # about 3x a decode step, so a burst's ITL p99 / p50 sat at 2.9-3.6 (192:
+    # 2.3-2.9, TTFT p50 and tok/s alike; bench/NOTES.md).
     max_step_tokens_while_decoding: int = setting(
-        256, "while requests decode, a step carries at most this many tokens: its "
+        192, "while requests decode, a step carries at most this many tokens: its "
         "decodes, then prompt tokens in what is left (at least a quarter), so arrivals "
         "delay each decode by a bounded step (0: no cap; a step without decodes, or with "
         "more prompts waiting than requests decoding, as at a burst's start, uses the "
