@@ -146,7 +146,8 @@ class Worker:
         draft = self._load_draft_model(config, model, dtype, weight_dtype, backend)
         # After the linears' strategies and LoRA: the C++ loop takes plain layers only.
         in_cpp = self.device.type == "cpu" and lora is None
-        decode = "one C++ call" if in_cpp and model.use_cpu_decode_layers() else "Python"
+        decode = (model.model.cpu_decode.reach if in_cpp and model.use_cpu_decode_layers()
+                  else "Python")
         if in_cpp and draft is not None:
             draft.use_cpu_decode_layers()
         self.model_runner = ModelRunner(model, cache_config.block_size, self.device, kv_dtype,

@@ -170,6 +170,7 @@ def test_a_linear_off_our_gemv_or_with_lora_stays_in_python(tmp_path):
     del down.lora  # back to the class's None
     assert model.use_cpu_decode_layers()
     assert model.model.cpu_decode.max_rows == ANY_ROWS
+    assert model.model.cpu_decode.reach == "one C++ call"  # the worker's load line
 
 
 def test_a_bf16_model_on_amx_takes_the_cpp_loop_up_to_the_amx_kernels_rows(tmp_path):
@@ -192,6 +193,7 @@ def test_without_onednn_above_the_gemv_it_takes_the_gemvs_rows_only(tmp_path):
     down.cpu_weights = GemvForFewRows(down.weight, 2, FLinear(down.weight))
     assert model.use_cpu_decode_layers()
     assert model.model.cpu_decode.max_rows == 2 and not model.model.cpu_decode.packed
+    assert model.model.cpu_decode.reach == "one C++ call for <= 2 rows, Python above"
     # Linears that leave the GEMV at different rows: the fewest, GEMV only.
     down.cpu_weights = GemvForFewRows(down.weight, 1, OneDNNWeights(down.weight))
     assert model.use_cpu_decode_layers()

@@ -92,6 +92,12 @@ class CpuDecodeLayers:
         return cls(model, weights + [model.norm.weight], packed, min(rows),
                    min(_packed_rows(s.many) for s in strategies))
 
+    @property
+    def reach(self) -> str:
+        """What the worker's load line says: up to how many rows steps take C++."""
+        return "one C++ call" + ("" if self.max_rows >= ANY_ROWS
+                                 else f" for <= {self.max_rows} rows, Python above")
+
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Decodes only, rows the linears take in C++, caches the kernels read."""
         return meta.decodes_only and x.shape[0] <= self.max_rows and bool(self.caches())
