@@ -279,19 +279,53 @@ inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) {
 // Lane-wise max (where either is NaN: b).
 inline vf16 max16(vf16 a, vf16 b) { return where_greater(a, b, a, b); }
 
+// x * sigmoid(x), 16 lanes.
+inline vf16 silu16(vf16 v) { return v / (1.f + fast_exp16(-v)); }
+
 // x * sigmoid(x) in place over n floats.
 inline void silu(float* x, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const vf16 v = load16(x + i);
-    store16(x + i, v / (1.f + fast_exp16(-v)));
-  }
+  for (; i + 16 <= n; i += 16) store16(x + i, silu16(load16(x + i)));
   if (i < n) {  // the tail through a zero-padded vector
     float tail[16] = {};
     std::memcpy(tail, x + i, (n - i) * sizeof(float));
-    const vf16 v = load16(tail);
-    store16(tail, v / (1.f + fast_exp16(-v)));
+    store16(tail, silu16(load16(tail)));
     std::memcpy(x + i, tail, (n - i) * sizeof(float));
+  }
+}
+
+// N floats rounded to bf16's precision in registers: the bits narrow_bf16 then a
+// widening give (to nearest even; NaN to narrow_bf16's quiet NaN).
+template <int N>
+inline typename Lanes<N>::f round_bf16(typename Lanes<N>::f v) {
+  using vu32 = typename Lanes<N>::u;
+  using vi32 = typename Lanes<N>::i;
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vu32 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) & 0xffff0000u;
+  const vi32 nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where NaN
+  const vu32 out = (rounded & ~(vu32)nan) | (0x7fc00000u & (vu32)nan);
+  std::memcpy(&v, &out, sizeof(v));
+  return v;
+}
+
+// v rounded to T's precision, as round_to<T> does to a row. bf16 in registers:
+// through memory, the 16-bit store and the wider reload missed store forwarding,
+// and SiLU's one pass ran no faster than its five through scratch.
+template <typename T>
+inline vf16 round16(vf16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512F__)
+    return round_bf16<16>(v);
+#else
+    return {round_bf16<8>(v.lo), round_bf16<8>(v.hi)};
+#endif
+  } else {
+    T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
   }
 }
 

@@ -71,6 +71,22 @@ def test_silu_and_mul(dtype, width):
     close(L.silu_and_mul(gate_up), L.silu_and_mul_reference(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_keeps_nan_and_overflows_to_inf_in_16_bits(dtype):
+    """SiLU(gate) is rounded to the dtype in registers before the product: NaN stays
+    NaN, and a product past the dtype's range is inf, as in the reference; over whole
+    vectors and the tail (width 18)."""
+    big, nan = torch.finfo(dtype).max, float("nan")
+    gate = torch.tensor([nan, 1.0, big, 2.0, -3.0, 0.5] * 3)
+    up = torch.tensor([1.0, nan, 4.0, big, 0.25, -2.0] * 3)
+    gate_up = torch.cat([gate, up]).to(dtype).repeat(3, 1)
+    got, want = L.silu_and_mul(gate_up), L.silu_and_mul_reference(gate_up)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 18
+    assert torch.equal(got.isinf(), want.isinf()) and got.isinf().sum() == 18
+    finite = want.isfinite()
+    close(got[finite], want[finite], dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_argmax_rows_is_torch_argmax_ties_included(dtype):
     """16-bit logits (a 16-bit model's greedy step) give the argmax of their exact
