@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "vector_math.h"
 
@@ -18,12 +19,29 @@ namespace {
 // Every kernel works a row at a time in fp32 scratch (vector_math.h: widen,
 // narrow, round_to), so the bf16/fp16 conversions run 16 at a time.
 
+// A row's sum of squares: 16 lanes, each summed in order, then halved (sum16).
+// Every norm here sums in this order, in one pass or two, so that
+// fused_add_rms_norm's x is rms_norm(residual + x) to the bit.
+inline float sum_squares(const float* v, int64_t n) {
+  llmserve::vf16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const llmserve::vf16 a = llmserve::load16(v + i);
+    acc += a * a;
+  }
+  if (i < n) {  // the tail through a zero-padded vector
+    float tail[16] = {};
+    std::memcpy(tail, v + i, (n - i) * sizeof(float));
+    const llmserve::vf16 a = llmserve::load16(tail);
+    acc += a * a;
+  }
+  return llmserve::sum16(acc);
+}
+
 // v (a row, exactly representable in T) -> out = rms_norm(v) * w; v is clobbered.
 template <typename scalar_t>
 inline void rms_norm_row(float* v, const float* w, int64_t n, double eps, scalar_t* out) {
-  float sum_sq = 0.f;
-#pragma omp simd reduction(+ : sum_sq)
-  for (int64_t i = 0; i < n; ++i) sum_sq += v[i] * v[i];
+  const float sum_sq = sum_squares(v, n);
   const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + static_cast<float>(eps));
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) v[i] *= inv;
@@ -51,6 +69,28 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
   });
 }
 
+// One row of add_rms_norm_impl whose width is whole vectors, in two passes over
+// registers where rms_norm_row's steps took eight through scratch: residual +=
+// x, rounded to T, kept in v as its squares are summed (as sum_squares sums
+// them); then x = rms_norm(v) * w. The same arithmetic as rms_norm_row's.
+template <typename scalar_t>
+inline void add_rms_norm_vectors(scalar_t* xr, scalar_t* rr, float* v, const float* w, int64_t n,
+                                 double eps) {
+  using llmserve::load16;
+  using llmserve::vf16;
+  vf16 sum_sq = {};
+  for (int64_t i = 0; i < n; i += 16) {
+    const vf16 sum = llmserve::round16<scalar_t>(load16(rr + i) + load16(xr + i));
+    llmserve::store16(rr + i, sum);
+    llmserve::store16(v + i, sum);
+    sum_sq += sum * sum;
+  }
+  const float mean = llmserve::sum16(sum_sq) / static_cast<float>(n);
+  const float inv = 1.f / std::sqrt(mean + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; i += 16)
+    llmserve::store16(xr + i, llmserve::round16<scalar_t>(load16(v + i) * inv) * load16(w + i));
+}
+
 // residual += x; x = rms_norm(residual), row by row, in place.
 template <typename scalar_t>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
@@ -67,6 +107,10 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& we
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* xr = xp + r * n;
       scalar_t* rr = rp + r * n;
+      if (n % 16 == 0) {
+        add_rms_norm_vectors(xr, rr, v, w, n, eps);
+        continue;
+      }
       llmserve::widen(rr, v, n);
       llmserve::widen(xr, add, n);
 #pragma omp simd

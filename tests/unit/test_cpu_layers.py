@@ -40,6 +40,9 @@ def test_fused_add_rms_norm(dtype, width):
     L.fused_add_rms_norm_reference(x2, residual2, weight, 1e-6)
     assert torch.equal(residual, residual2)  # the add is exact to the dtype
     close(x, x2, dtype)
+    # Whole vectors (576) take a two-pass path, a tail (100) rms_norm's rows: both
+    # sum the squares in rms_norm's order, so the bits are rms_norm's.
+    assert torch.equal(x, L.rms_norm(residual, weight, 1e-6))
 
 
 @pytest.mark.parametrize("d", [64, 40])
