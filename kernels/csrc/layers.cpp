@@ -16,8 +16,10 @@
 
 namespace {
 
-// Every kernel works a row at a time in fp32 scratch (vector_math.h: widen,
-// narrow, round_to), so the bf16/fp16 conversions run 16 at a time.
+// The kernels work a row at a time in fp32 scratch (vector_math.h: widen,
+// narrow, round_to), so the bf16/fp16 conversions run 16 at a time; SiLU and
+// the norm after a residual add keep their 16 lanes in registers (round16)
+// from load to store, where the passes through scratch cost more than the math.
 
 // A row's sum of squares: 16 lanes, each summed in order, then halved (sum16).
 // Every norm here sums in this order, in one pass or two, so that

@@ -85,9 +85,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(2048, "tokens in one step", vllm=True)
     # Offline, throughput is what counts: no cap (the server caps steps to bound
     # inter-token latency).
-    # 192, not 256: on an AMX Xeon, fp32, a 256-token step beside 64 decodes took
-    # about 3x a decode step, so a burst's ITL p99 / p50 sat at 2.9-3.6 (192:
-    # 2.3-2.9, TTFT p50 and tok/s alike; bench/NOTES.md).
+    # 192, not 256: where a 256-token step beside 64 decodes took about 3x a decode
+    # step (an AMX Xeon, fp32), bursts' ITL p99 / p50 went over 3; 192 kept it under
+    # at the same throughput and TTFT p50 (bench/NOTES.md).
     max_step_tokens_while_decoding: int = setting(
         192, "while requests decode, a step carries at most this many tokens: its "
         "decodes, then prompt tokens in what is left (at least a quarter), so arrivals "
