@@ -202,15 +202,46 @@ inline void narrow(const float* in, T* out, int64_t n) {
   for (; i < n; ++i) out[i] = static_cast<T>(in[i]);
 }
 
+// N floats rounded to bf16's precision in registers: the bits narrow_bf16 then a
+// widening give (to nearest even; NaN to narrow_bf16's quiet NaN).
+template <int N>
+inline typename Lanes<N>::f round_bf16(typename Lanes<N>::f v) {
+  using vu32 = typename Lanes<N>::u;
+  using vi32 = typename Lanes<N>::i;
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vu32 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) & 0xffff0000u;
+  const vi32 nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where NaN
+  const vu32 out = (rounded & ~(vu32)nan) | (0x7fc00000u & (vu32)nan);
+  std::memcpy(&v, &out, sizeof(v));
+  return v;
+}
+
+// v rounded to T's precision: through T and back, bf16 in registers (through
+// memory, the 16-bit store and the wider reload missed store forwarding, and
+// SiLU's one pass ran no faster than its five through scratch).
+template <typename T>
+inline vf16 round16(vf16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512F__)
+    return round_bf16<16>(v);
+#else
+    return {round_bf16<8>(v.lo), round_bf16<8>(v.hi)};
+#endif
+  } else {
+    T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
 template <typename T>
 inline void round_to(float* x, int64_t n) {
   if constexpr (!std::is_same_v<T, float>) {
-    T tmp[16];
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      store16(tmp, load16(x + i));
-      store16(x + i, load16(tmp));
-    }
+    for (; i + 16 <= n; i += 16) store16(x + i, round16<T>(load16(x + i)));
     for (; i < n; ++i) x[i] = static_cast<float>(static_cast<T>(x[i]));
   }
 }
@@ -291,41 +322,6 @@ inline void silu(float* x, int64_t n) {
     std::memcpy(tail, x + i, (n - i) * sizeof(float));
     store16(tail, silu16(load16(tail)));
     std::memcpy(x + i, tail, (n - i) * sizeof(float));
-  }
-}
-
-// N floats rounded to bf16's precision in registers: the bits narrow_bf16 then a
-// widening give (to nearest even; NaN to narrow_bf16's quiet NaN).
-template <int N>
-inline typename Lanes<N>::f round_bf16(typename Lanes<N>::f v) {
-  using vu32 = typename Lanes<N>::u;
-  using vi32 = typename Lanes<N>::i;
-  vu32 bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const vu32 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) & 0xffff0000u;
-  const vi32 nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where NaN
-  const vu32 out = (rounded & ~(vu32)nan) | (0x7fc00000u & (vu32)nan);
-  std::memcpy(&v, &out, sizeof(v));
-  return v;
-}
-
-// v rounded to T's precision, as round_to<T> does to a row. bf16 in registers:
-// through memory, the 16-bit store and the wider reload missed store forwarding,
-// and SiLU's one pass ran no faster than its five through scratch.
-template <typename T>
-inline vf16 round16(vf16 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#if defined(__AVX512F__)
-    return round_bf16<16>(v);
-#else
-    return {round_bf16<8>(v.lo), round_bf16<8>(v.hi)};
-#endif
-  } else {
-    T tmp[16];
-    store16(tmp, v);
-    return load16(tmp);
   }
 }
 
