@@ -78,7 +78,7 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   s.top.resize(heads);
   s.sum.resize(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
-  const bool prefetch = prefetches_blocks(), stream = streams_ahead<scalar_t>();
+  const bool prefetch = prefetches_blocks<scalar_t>(), stream = streams_ahead<scalar_t>();
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
   // KV head h's part of block n + kStreamAhead (see streams_ahead), or nullptr.
   auto ahead = [&](const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n, int64_t h) {

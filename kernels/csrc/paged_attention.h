@@ -159,17 +159,18 @@ inline float softmax(float* s, int64_t len, float& top_out) {
 }
 
 // Blocks are scattered pages, and hardware prefetchers stop at page boundaries:
-// on Intel, ask for the block kPrefetchAhead on while this one is worked on, into
-// L2 (prefetcht2; into L1, two whole blocks ahead crowd out the one in use; into
-// L2, four ahead beat two). AMD treats the hints alike, into L1, and there whole
-// blocks asked for (two blocks ahead, one, a line a page) made decode slower than
-// none on Zen 4, and no faster on Zen 5: bench/NOTES.md. There, 16-bit caches ask
-// a line at a time instead (streams_ahead).
+// on Intel, an fp32 walk asks for the block kPrefetchAhead on while this one is
+// worked on, into L2 (prefetcht2; into L1, two whole blocks ahead crowd out the
+// one in use; into L2, four ahead beat two). AMD treats the hints alike, into L1,
+// and there whole blocks asked for (two blocks ahead, one, a line a page) made
+// decode slower than none on Zen 4, and no faster on Zen 5: bench/NOTES.md.
+// 16-bit walks ask a line at a time instead, on every CPU (streams_ahead).
 constexpr int64_t kPrefetchAhead = 4;
 
+template <typename scalar_t>
 inline bool prefetches_blocks() {
   static const bool intel = __builtin_cpu_is("intel");
-  return intel;
+  return intel && sizeof(scalar_t) == 4;
 }
 
 template <typename scalar_t>
@@ -206,16 +207,18 @@ inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& the
     prefetch_block(ahead, block);
 }
 
-// Where whole blocks are not asked for (AMD), 16-bit K and V streamed from memory
-// well below fp32's rate (presumably their widening holds up the loads). Asking,
-// as each line is loaded, for the line at the same place kStreamAhead blocks on
-// brings them close to it: one request a line, spread over the walk (Zen 5,
-// bench/NOTES.md). fp32's K and V streamed no faster for it.
+// 16-bit K and V streamed from memory well below fp32's rate (presumably their
+// widening holds up the loads). Asking, as each line is loaded, for the line at
+// the same place kStreamAhead blocks on brings them close to it: one request a
+// line, spread over the walk. On Zen 5 whole blocks had not helped and lines
+// did; on the AMX Xeon lines read 16-bit caches a quarter to a third faster
+// than whole blocks (bench/NOTES.md). fp32's K and V streamed no faster for
+// lines on Zen 5, nor clearly on the AMX Xeon: Intel keeps whole blocks there.
 constexpr int64_t kStreamAhead = 8;
 
 template <typename scalar_t>
 inline bool streams_ahead() {
-  return sizeof(scalar_t) == 2 && !prefetches_blocks();
+  return sizeof(scalar_t) == 2;
 }
 
 // block_scores for `heads` (1 to heads_per_pass) query heads, chosen at run
