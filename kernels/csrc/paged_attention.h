@@ -211,8 +211,8 @@ inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& the
 // widening holds up the loads). Asking, as each line is loaded, for the line at
 // the same place kStreamAhead blocks on brings them close to it: one request a
 // line, spread over the walk. On Zen 5 whole blocks had not helped and lines
-// did; on the AMX Xeon lines read 16-bit caches a quarter to a third faster
-// than whole blocks (bench/NOTES.md). fp32's K and V streamed no faster for
+// did; on the AMX Xeon lines read 16-bit caches at 1.4-1.6x the rate of whole
+// blocks (bench/NOTES.md). fp32's K and V streamed no faster for
 // lines on Zen 5, nor clearly on the AMX Xeon: Intel keeps whole blocks there.
 constexpr int64_t kStreamAhead = 8;
 
