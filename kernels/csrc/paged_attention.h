@@ -212,8 +212,8 @@ inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& the
 // the same place kStreamAhead blocks on brings them close to it: one request a
 // line, spread over the walk. On Zen 5 whole blocks had not helped and lines
 // did; on the AMX Xeon lines read 16-bit caches at 1.4-1.6x the rate of whole
-// blocks (bench/NOTES.md). fp32's K and V streamed no faster for
-// lines on Zen 5, nor clearly on the AMX Xeon: Intel keeps whole blocks there.
+// blocks (bench/NOTES.md). fp32's K and V streamed no faster for lines on Zen
+// 5, nor clearly on the AMX Xeon: Intel keeps whole blocks there.
 constexpr int64_t kStreamAhead = 8;
 
 template <typename scalar_t>
