@@ -92,15 +92,6 @@ const float* fp32_panel(const T* panel, int64_t K, int slot) {
   }
 }
 
-// 16 sums stored as the product's output: fp32, or rounded to bf16 (to nearest
-// even, as torch's conversion rounds).
-inline void store_out(float* p, vf16 v) { store16(p, v); }
-#if defined(__AVX512BF16__)
-inline void store_out(at::BFloat16* p, vf16 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
-}
-#endif
-
 // c[r][0:48] = a[r] . panel for MR rows; c's rows are ldc apart.
 template <int MR>
 void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
@@ -157,7 +148,7 @@ void tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, int64_t
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kVectors; ++v) store_out(c + r * ldc + 16 * v, acc[r][v]);
+    for (int v = 0; v < kVectors; ++v) store16(c + r * ldc + 16 * v, acc[r][v]);
 }
 #else
 constexpr bool kBf16Dot = false;
@@ -218,7 +209,7 @@ void gated_panel_rows(const A* x, int64_t K, const A* gate, const A* up, NextPan
       llmserve::round_to<T>(gr, kPanel);
       O* out = y + (r0 + r) * n + col;
       for (int v = 0; v < kVectors; ++v)
-        store_out(out + 16 * v, load16(gr + 16 * v) * load16(u + r * kPanel + 16 * v));
+        store16(out + 16 * v, load16(gr + 16 * v) * load16(u + r * kPanel + 16 * v));
     }
     r0 += rows;
   }

@@ -167,8 +167,21 @@ template <>
 inline void store16(float* p, vf16 v) {
   *reinterpret_cast<vf16_mem*>(p) = v;
 }
+// bf16 through the CPU's own conversion where it has AVX512-BF16: one
+// instruction where narrow_bf16 takes eleven, and the norms and SiLU in bf16
+// spent more time rounding than computing. It also rounds to nearest even; it
+// reads an fp32 denormal as zero (the kernels flush them anyway) and keeps a
+// NaN's sign, where narrow_bf16 gives 0x7fc0.
+#if defined(__AVX512BF16__)
+inline __m256i bf16_bits(vf16 v) { return (__m256i)_mm512_cvtneps_pbh((__m512)v); }
+template <>
+inline void store16(c10::BFloat16* p, vf16 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+}
+#else
 template <>
 inline void store16(c10::BFloat16* p, vf16 v) { narrow_bf16<16>(p, v); }
+#endif
 template <>
 inline void store16(c10::Half* p, vf16 v) { narrow_half<16>(p, v); }
 #else
@@ -225,7 +238,9 @@ inline vf16 round16(vf16 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16);
+#elif defined(__AVX512F__)
     return round_bf16<16>(v);
 #else
     return {round_bf16<8>(v.lo), round_bf16<8>(v.hi)};
