@@ -11,55 +11,18 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#define LLMSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
-// A tile holds 16 rows of 64 bytes: 16 x 32 bf16 of x, or 16 pairs of K x 16
-// columns of W (the VNNI layout tdpbf16ps multiplies), or 16 x 16 fp32 sums.
-constexpr int64_t kTileElems = 16 * 32;
 // One block: 32 output columns (two weight tiles side by side) by 32 rows.
 constexpr int64_t kBlock = 32;
 
 #ifdef LLMSERVE_AMX
-
-struct TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Tiles 0-3: the 2 x 2 sums of a 32 x 32 block; 4-5: two 16-row slices of x;
-// 6-7: two 16-column slices of W. All are 16 rows of 64 bytes. The
-// configuration belongs to the thread, so each worker thread loads its own.
-class ThreadTiles {
- public:
-  ThreadTiles() {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~ThreadTiles() { _tile_release(); }
-};
-
-// Linux hands out AMX state only on request (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA), once per process.
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
+using llmserve::amx_permitted;
+using llmserve::kTileElems;
+using llmserve::ThreadTiles;
 
 // Rounds the fp32 sums of `rows` rows x 32 columns to bf16 (to nearest even).
 inline void store_block(const float* sums, int64_t rows, at::BFloat16* out, int64_t N) {
@@ -72,6 +35,8 @@ inline void store_block(const float* sums, int64_t rows, at::BFloat16* out, int6
 
 // The 32 columns of one weight block for every row of x (padded to 32 rows),
 // prefetching the next block's weights (K * 64 bytes) evenly over the passes.
+// Tiles 0-3: the 2 x 2 sums of a 32 x 32 block; 4-5: two 16-row slices of x;
+// 6-7: two 16-column slices of W.
 void multiply_block(const at::BFloat16* x, int64_t padded_rows, int64_t M, int64_t K,
                     const at::BFloat16* w, at::BFloat16* out, int64_t N) {
   alignas(64) float sums[kBlock * kBlock];

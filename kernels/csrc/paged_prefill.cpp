@@ -1,6 +1,7 @@
 // Attention over the CPU's paged KV cache for prefills (many query tokens per
 // sequence, causal), chunked ones included. The layout and the block walks it
-// shares with decodes: paged_attention.h.
+// shares with decodes: paged_attention.h. On CPUs with AMX, a bf16 model's items
+// multiply on tiles instead (paged_prefill_amx.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -8,11 +9,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "ops.h"
 #include "paged_attention.h"
+#include "paged_prefill_amx.h"
 #include "vector_math.h"
 
 namespace llmserve::paged {
@@ -31,22 +34,10 @@ namespace {
 // (bench/NOTES.md): decodes widen.
 constexpr bool kBf16PairScores = true;
 
-// Word 2i of a row pair's interleaving is token i of the first row, 2i + 1 of
-// the second (indices 32 on name the second operand).
-inline __m512i pair_interleave() {
-  alignas(64) static const uint16_t idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  return _mm512_load_si512(idx);
-}
-
 // 16 tokens' (K[d][t], K[d + 1][t]) pairs from rows d and d + 1 of a block.
 template <int BS>
 inline __m512bh key_pairs(const at::BFloat16* row, __m512i interleave) {
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + BS));
-  return (__m512bh)_mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave,
-                                             _mm512_castsi256_si512(b));
+  return (__m512bh)interleave_pairs(load_bf16x16(row), load_bf16x16(row + BS), interleave);
 }
 
 // block_scores for a bf16 query (G heads, unscaled, as D / 2 pairs each) over NB
@@ -184,6 +175,33 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
   }
 }
 
+// Where a thread's items take AMX tiles (paged_prefill_amx.h): a bf16 query and
+// cache on a CPU with AMX-BF16, once the process may use it. Elsewhere on() is
+// false and item() is never called.
+template <typename q_t, typename scalar_t>
+struct OnTiles {
+  bool on() const { return false; }
+  template <int BS, int D, typename... Args>
+  void item(Args&&...) {}
+};
+
+#ifdef LLMSERVE_AMX
+template <>
+struct OnTiles<at::BFloat16, at::BFloat16> {
+  std::optional<ThreadTiles> tiles;  // configured for the thread while it lives
+  TileScratch scratch;
+
+  OnTiles() {
+    if (amx_permitted()) tiles.emplace();
+  }
+  bool on() const { return tiles.has_value(); }
+  template <int BS, int D, typename... Args>
+  void item(Args&&... args) {
+    prefill_item_tiles<BS, D>(args..., scratch);
+  }
+};
+#endif
+
 struct PrefillTile {
   int64_t seq, kv_head, t0, t1;
 };
@@ -221,13 +239,20 @@ struct Prefill {
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       llmserve::FlushDenormals flush;
       Scratch scratch;
+      OnTiles<q_t, scalar_t> amx;
       for (int64_t k = begin; k < end; ++k) {
         const PrefillTile& t = tiles[k % 2 == 0 ? k / 2 : n - 1 - k / 2];
         const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
-        prefill_item<q_t, scalar_t, BS, D>(q + starts[t.seq] * q_stride, q_stride, kc, vc,
-                                           table + t.seq * block_table.size(1), lens[t.seq] - q_len,
-                                           t.t0, t.t1, KV, group, t.kv_head, scale,
-                                           o + starts[t.seq] * o_stride, o_stride, scratch);
+        const q_t* qs = q + starts[t.seq] * q_stride;
+        const int64_t* row = table + t.seq * block_table.size(1);
+        q_t* os = o + starts[t.seq] * o_stride;
+        if (amx.on())
+          amx.template item<BS, D>(qs, q_stride, kc, vc, row, lens[t.seq] - q_len, t.t0, t.t1, KV,
+                                   group, t.kv_head, scale, os, o_stride, scratch);
+        else
+          prefill_item<q_t, scalar_t, BS, D>(qs, q_stride, kc, vc, row, lens[t.seq] - q_len, t.t0,
+                                             t.t1, KV, group, t.kv_head, scale, os, o_stride,
+                                             scratch);
       }
     });
   }

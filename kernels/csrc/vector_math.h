@@ -340,4 +340,29 @@ inline void silu(float* x, int64_t n) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 pairs, as VDPBF16PS and AMX's tiles multiply them: two rows of 16 values
+// interleaved, value i of the first row in word 2i, of the second in 2i + 1
+// (indices from 32 on name the second operand).
+inline __m512i pair_interleave() {
+  alignas(64) static const uint16_t idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  return _mm512_load_si512(idx);
+}
+
+inline __m256i load_bf16x16(const c10::BFloat16* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m512i interleave_pairs(__m256i a, __m256i b, __m512i interleave) {
+  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave,
+                                   _mm512_castsi256_si512(b));
+}
+
+inline void store_pairs(c10::BFloat16* p, __m256i a, __m256i b, __m512i interleave) {
+  _mm512_storeu_si512(p, interleave_pairs(a, b, interleave));
+}
+#endif
+
 }  // namespace llmserve

@@ -20,12 +20,14 @@ MIXED = [(0, 37), (5, 1), (100, 60), (0, 1), (17, 2), (0, 200), (3, 16)]
 class _Batch:
     """Sequences whose K/V are in a paged cache of scattered blocks, with queries."""
 
-    def __init__(self, seqs, heads, kv_heads, d, block_size, dtype, cache_dtype, seed):
+    def __init__(self, seqs, heads, kv_heads, d, block_size, dtype, cache_dtype, seed,
+                 unwritten=0.0):
         gen = torch.Generator().manual_seed(seed)
         self.seq_lens = torch.tensor([p + q for p, q in seqs])
         blocks_each = [-(-n // block_size) for n in self.seq_lens.tolist()]
         num_blocks = sum(blocks_each) + 5
-        cache = torch.zeros(kv_cache_shape(num_blocks, block_size, kv_heads, d), dtype=cache_dtype)
+        cache = torch.full(kv_cache_shape(num_blocks, block_size, kv_heads, d), unwritten,
+                           dtype=cache_dtype)
         self.key_cache, self.value_cache = split_kv_cache(cache, block_size)
         free = torch.randperm(num_blocks, generator=gen).tolist()
         self.block_table = torch.zeros(len(seqs), max(blocks_each), dtype=torch.int64)
@@ -102,11 +104,22 @@ def test_prefill_over_a_sixteen_bit_cache_keeps_fp32(cache_dtype):
     torch.testing.assert_close(got, batch.dense(), rtol=1e-5, atol=1e-5)
 
 
-def test_one_long_prompt_after_a_long_context():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_long_prompt_after_a_long_context(dtype):
     """Tiles of one sequence shared out over the threads, each walking its own
     causal reach over 40 scattered blocks."""
-    _check(_Batch([(500, 130)], 9, 3, 64, 16, torch.float32, torch.float32, seed=5),
-           torch.float32)
+    _check(_Batch([(500, 130)], 9, 3, 64, 16, dtype, dtype, seed=5), dtype)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_slots_nobody_wrote_leave_the_output_alone(dtype, block_size):
+    """A block's slots past a sequence's last token hold whatever an earlier
+    sequence left, NaN included. Their probabilities are 0, and 0 x NaN would
+    still be NaN: the kernel must not multiply them (on AMX, where tiles take
+    32 tokens at a time, the values past the reach are zeros instead)."""
+    _check(_Batch(MIXED, 9, 3, 64, block_size, dtype, dtype, seed=13, unwritten=float("nan")),
+           dtype)
 
 
 def test_a_query_viewed_in_the_qkv_rows_is_read_in_place():
