@@ -269,6 +269,26 @@ struct Scratch {
   std::vector<uint32_t> qpairs;  // a bf16 prefill query's value pairs (paged_prefill.cpp)
 };
 
+// Where a prefill item's query row i lies in a [T, heads, D] tensor whose tokens
+// are `token_stride` apart: the item's rows run over the query heads of KV head
+// h (group of them) for each of its positions from t0.
+inline int64_t item_row_offset(int64_t i, int64_t t0, int64_t group, int64_t h, int64_t D,
+                               int64_t token_stride) {
+  return (t0 + i / group) * token_stride + (h * group + i % group) * D;
+}
+
+// A prefill item's output rows: each row's value sums (s.acc) over its softmax
+// sum (s.sum), in the query's dtype.
+template <typename q_t, int D>
+inline void store_item_rows(const Scratch& s, int64_t rows, int64_t t0, int64_t group, int64_t h,
+                            q_t* out, int64_t out_stride) {
+  for (int64_t i = 0; i < rows; ++i) {
+    q_t* dst = out + item_row_offset(i, t0, group, h, D, out_stride);
+    for (int c = 0; c < D / 16; ++c)
+      llmserve::store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * (1.f / s.sum[i]));
+  }
+}
+
 // The block sizes and head dims the kernels are specialized for (registers and
 // loop bounds fixed at compile time); kernels/paged_attention.py lists them.
 template <template <typename, typename, int, int> class Kernel, typename q_t, typename c_t, int BS,

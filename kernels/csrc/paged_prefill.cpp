@@ -145,7 +145,7 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
   s.top.resize(rows);
   s.sum.resize(rows);
   for (int64_t i = 0; i < rows; ++i) {
-    const q_t* src = q + (t0 + i / group) * q_stride + (h * group + i % group) * D;
+    const q_t* src = q + item_row_offset(i, t0, group, h, D, q_stride);
     load_query_row<q_t, scalar_t, D>(src, i, scale, s);
   }
   in_block_groups<blocks_per_pass<most>()>(num_blocks, [&](int64_t n, auto count) {
@@ -168,11 +168,7 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
                              s.scores.data() + i * stride + n * BS, stride, valid,
                              vc + row[n] * block + head, s.acc.data() + i * D);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    q_t* dst = out + (t0 + i / group) * out_stride + (h * group + i % group) * D;
-    for (int c = 0; c < D / 16; ++c)
-      llmserve::store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * (1.f / s.sum[i]));
-  }
+  store_item_rows<q_t, D>(s, rows, t0, group, h, out, out_stride);
 }
 
 // Where a thread's items take AMX tiles (paged_prefill_amx.h): a bf16 query and

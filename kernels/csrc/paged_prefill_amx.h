@@ -198,7 +198,7 @@ void prefill_item_tiles(const at::BFloat16* q, int64_t q_stride, const at::BFloa
   std::memset(ts.q.data() + rows * D, 0, (padded - rows) * D * sizeof(at::BFloat16));
   std::memset(ts.p.data() + rows * tokens, 0, (padded - rows) * tokens * sizeof(at::BFloat16));
   for (int64_t i = 0; i < rows; ++i)
-    std::memcpy(ts.q.data() + i * D, q + (t0 + i / group) * q_stride + (h * group + i % group) * D,
+    std::memcpy(ts.q.data() + i * D, q + item_row_offset(i, t0, group, h, D, q_stride),
                 D * sizeof(at::BFloat16));
   for (int64_t n = 0; n < num_blocks; ++n)
     for (int c = 0; c < BS; c += 16) {
@@ -210,11 +210,7 @@ void prefill_item_tiles(const at::BFloat16* q, int64_t q_stride, const at::BFloa
     s.sum[i] = probabilities(s.scores.data() + i * stride, prefix + t0 + i / group,
                              static_cast<float>(scale), ts.p.data() + i * tokens, tokens);
   tile_outputs<D>(ts.p.data(), padded, tokens, ts.v.data(), s.acc.data());
-  for (int64_t i = 0; i < rows; ++i) {
-    at::BFloat16* dst = out + (t0 + i / group) * out_stride + (h * group + i % group) * D;
-    for (int c = 0; c < D / 16; ++c)
-      store16(dst + c * 16, load16(s.acc.data() + i * D + c * 16) * (1.f / s.sum[i]));
-  }
+  store_item_rows<at::BFloat16, D>(s, rows, t0, group, h, out, out_stride);
 }
 
 }  // namespace llmserve::paged
