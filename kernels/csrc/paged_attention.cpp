@@ -72,11 +72,11 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   constexpr int most = heads_per_pass<D>(), NB = blocks_per_pass<most>();
   const int64_t heads = kv_heads * group, num_blocks = (len + BS - 1) / BS;
   const int64_t stride = num_blocks * BS, block = kv_heads * D * BS;
-  s.q.resize(heads * D);
-  s.scores.resize(heads * stride);
-  s.acc.assign(heads * D, 0.f);
-  s.top.resize(heads);
-  s.sum.resize(heads);
+  s.q.ensure(heads * D);
+  s.scores.ensure(heads * stride);
+  std::fill_n(s.acc.ensure(heads * D), heads * D, 0.f);
+  s.top.ensure(heads);
+  s.sum.ensure(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
   const bool prefetch = prefetches_blocks<scalar_t>(), stream = streams_ahead<scalar_t>();
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
@@ -187,7 +187,7 @@ struct Decode {
     if (x.B < 4 * at::get_num_threads()) return chunked(x);
     llmserve::parallel_for_stealing(x.B, [&](auto& next) {
       llmserve::FlushDenormals flush;
-      Scratch scratch;
+      Scratch& scratch = thread_scratch();
       for (int64_t b; (b = next()) >= 0;)
         decode_item<q_t, scalar_t, BS, D>(x.q + b * x.q_stride, x.kc, x.vc,
                                           x.table + b * x.max_blocks, x.lens[b], x.KV, x.group,
@@ -237,7 +237,7 @@ struct Decode {
     std::vector<float> partial(chunks.size() * width);
     llmserve::parallel_for_stealing(first[x.B], [&](auto& next) {
       llmserve::FlushDenormals flush;
-      Scratch s;
+      Scratch& s = thread_scratch();
       for (int64_t item; (item = next()) >= 0;) {
         const DecodeChunk& c = chunks[item];
         attend<q_t, scalar_t, BS, D>(x.q + c.seq * x.q_stride, x.kc, x.vc,
@@ -245,9 +245,9 @@ struct Decode {
                                      std::min(x.lens[c.seq], c.n1 * BS) - c.n0 * BS, x.KV,
                                      x.group, x.scale, s);
         float* dst = partial.data() + item * width;
-        std::copy(s.acc.begin(), s.acc.begin() + x.H * D, dst);
-        std::copy(s.top.begin(), s.top.begin() + x.H, dst + x.H * D);
-        std::copy(s.sum.begin(), s.sum.begin() + x.H, dst + x.H * D + x.H);
+        std::copy_n(s.acc.data(), x.H * D, dst);
+        std::copy_n(s.top.data(), x.H, dst + x.H * D);
+        std::copy_n(s.sum.data(), x.H, dst + x.H * D + x.H);
       }
     });
     for (int64_t b = 0; b < x.B; ++b)

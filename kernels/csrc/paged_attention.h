@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -264,10 +265,41 @@ inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t val
 }
 
 // Per-thread buffers, grown to the longest sequence a thread meets.
-struct Scratch {
-  std::vector<float> q, scores, acc, top, sum;
-  std::vector<uint32_t> qpairs;  // a bf16 prefill query's value pairs (paged_prefill.cpp)
+// Room for a work item's values that only grows, and leaves what it holds as it
+// was: std::vector's resize writes every element it adds (bf16 ones one at a
+// time), and items of alternating reach (Prefill::run) made each long item
+// clear most of its buffers again, a quarter of a short prompt's prefill
+// attention (bench/NOTES.md). Each user writes what it then reads.
+template <typename T>
+class Buffer {
+ public:
+  // Room for n values (what it held is lost if it grows); their start.
+  T* ensure(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(new T[n]);
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+  T* data() const { return data_.get(); }
+  T& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t capacity_ = 0;
 };
+
+struct Scratch {
+  Buffer<float> q, scores, acc, top, sum;
+  Buffer<uint32_t> qpairs;  // a bf16 prefill query's value pairs (paged_prefill.cpp)
+};
+
+// This thread's Scratch, kept from call to call (the calls of one step are a
+// few hundred), the size of the largest item the thread has met.
+inline Scratch& thread_scratch() {
+  thread_local Scratch s;
+  return s;
+}
 
 // Where a prefill item's query row i lies in a [T, heads, D] tensor whose tokens
 // are `token_stride` apart: the item's rows run over the query heads of KV head

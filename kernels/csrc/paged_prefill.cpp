@@ -87,9 +87,9 @@ constexpr bool kPairScores =
 template <typename q_t, typename scalar_t, int D>
 inline void size_query(int64_t rows, Scratch& s) {
   if constexpr (kPairScores<q_t, scalar_t>)
-    s.qpairs.resize(rows * D / 2);
+    s.qpairs.ensure(rows * D / 2);
   else
-    s.q.resize(rows * D);
+    s.q.ensure(rows * D);
 }
 
 // Query row i from its D values at src: bf16 pairs as they are, or fp32 times
@@ -140,10 +140,10 @@ void prefill_item(const q_t* q, int64_t q_stride, const scalar_t* kc, const scal
   const int64_t num_blocks = (reach + BS - 1) / BS, stride = num_blocks * BS;
   const int64_t block = kv_heads * D * BS, head = h * D * BS;
   size_query<q_t, scalar_t, D>(rows, s);
-  s.scores.resize(rows * stride);
-  s.acc.assign(rows * D, 0.f);
-  s.top.resize(rows);
-  s.sum.resize(rows);
+  s.scores.ensure(rows * stride);
+  std::fill_n(s.acc.ensure(rows * D), rows * D, 0.f);
+  s.top.ensure(rows);
+  s.sum.ensure(rows);
   for (int64_t i = 0; i < rows; ++i) {
     const q_t* src = q + item_row_offset(i, t0, group, h, D, q_stride);
     load_query_row<q_t, scalar_t, D>(src, i, scale, s);
@@ -185,7 +185,7 @@ struct OnTiles {
 template <>
 struct OnTiles<at::BFloat16, at::BFloat16> {
   std::optional<ThreadTiles> tiles;  // configured for the thread while it lives
-  TileScratch scratch;
+  TileScratch& scratch = thread_tile_scratch();
 
   OnTiles() {
     if (amx_permitted()) tiles.emplace();
@@ -234,7 +234,7 @@ struct Prefill {
     q_t* o = out.data_ptr<q_t>();
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       llmserve::FlushDenormals flush;
-      Scratch scratch;
+      Scratch& scratch = thread_scratch();
       OnTiles<q_t, scalar_t> amx;
       for (int64_t k = begin; k < end; ++k) {
         const PrefillTile& t = tiles[k % 2 == 0 ? k / 2 : n - 1 - k / 2];

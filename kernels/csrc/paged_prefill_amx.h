@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "paged_attention.h"
 #include "vector_math.h"
@@ -26,10 +25,16 @@ namespace llmserve::paged {
 
 // An item's bf16 buffers, grown to the longest reach a thread meets: its query
 // rows and probabilities, padded to whole tiles of 16 rows; one 16-token slice
-// of K and the item's whole reach of V, in tile layout.
+// of K and the item's whole reach of V, in tile layout. Kept for the thread from
+// call to call, as its Scratch.
 struct TileScratch {
-  std::vector<at::BFloat16> q, p, k, v;
+  Buffer<at::BFloat16> q, p, k, v;
 };
+
+inline TileScratch& thread_tile_scratch() {
+  thread_local TileScratch s;
+  return s;
+}
 
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -187,13 +192,13 @@ void prefill_item_tiles(const at::BFloat16* q, int64_t q_stride, const at::BFloa
   const int64_t rows = (t1 - t0) * group, padded = round_up(rows, 16), reach = prefix + t1;
   const int64_t num_blocks = (reach + BS - 1) / BS, stride = num_blocks * BS;
   const int64_t tokens = round_up(stride, 32), block = kv_heads * D * BS, head = h * D * BS;
-  ts.q.resize(padded * D);
-  ts.p.resize(padded * tokens);
-  ts.k.resize(D * 16);
-  ts.v.resize(tokens * D);
-  s.scores.resize(padded * stride);
-  s.acc.resize(padded * D);
-  s.sum.resize(rows);
+  ts.q.ensure(padded * D);
+  ts.p.ensure(padded * tokens);
+  ts.k.ensure(D * 16);
+  ts.v.ensure(tokens * D);
+  s.scores.ensure(padded * stride);
+  s.acc.ensure(padded * D);
+  s.sum.ensure(rows);
   // Rows past the item's, up to a whole tile, multiply as zeros.
   std::memset(ts.q.data() + rows * D, 0, (padded - rows) * D * sizeof(at::BFloat16));
   std::memset(ts.p.data() + rows * tokens, 0, (padded - rows) * tokens * sizeof(at::BFloat16));
