@@ -264,11 +264,10 @@ inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t val
   }
 }
 
-// Per-thread buffers, grown to the longest sequence a thread meets.
 // Room for a work item's values that only grows, and leaves what it holds as it
 // was: std::vector's resize writes every element it adds (bf16 ones one at a
 // time), and items of alternating reach (Prefill::run) made each long item
-// clear most of its buffers again, a quarter of a short prompt's prefill
+// clear most of its buffers again, ~30% of a short prompt's prefill
 // attention (bench/NOTES.md). Each user writes what it then reads.
 template <typename T>
 class Buffer {
@@ -289,6 +288,7 @@ class Buffer {
   int64_t capacity_ = 0;
 };
 
+// Per-thread buffers, grown to the longest sequence a thread meets.
 struct Scratch {
   Buffer<float> q, scores, acc, top, sum;
   Buffer<uint32_t> qpairs;  // a bf16 prefill query's value pairs (paged_prefill.cpp)
