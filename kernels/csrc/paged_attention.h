@@ -23,9 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "vector_math.h"
 
@@ -263,30 +261,6 @@ inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t val
     add_values<scalar_t, D, 4>(p, stride, valid, vblock, acc, ahead);
   }
 }
-
-// Room for a work item's values that only grows, and leaves what it holds as it
-// was: std::vector's resize writes every element it adds (bf16 ones one at a
-// time), and items of alternating reach (Prefill::run) made each long item
-// clear most of its buffers again, ~30% of a short prompt's prefill
-// attention (bench/NOTES.md). Each user writes what it then reads.
-template <typename T>
-class Buffer {
- public:
-  // Room for n values (what it held is lost if it grows); their start.
-  T* ensure(int64_t n) {
-    if (n > capacity_) {
-      data_.reset(new T[n]);
-      capacity_ = n;
-    }
-    return data_.get();
-  }
-  T* data() const { return data_.get(); }
-  T& operator[](int64_t i) const { return data_[i]; }
-
- private:
-  std::unique_ptr<T[]> data_;
-  int64_t capacity_ = 0;
-};
 
 // Per-thread buffers, grown to the longest sequence a thread meets.
 struct Scratch {

@@ -7,8 +7,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
-#include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -261,12 +261,36 @@ inline void round_to(float* x, int64_t n) {
   }
 }
 
+// Room for a work item's values that only grows, and leaves what it holds as it
+// was: std::vector's resize writes every element it adds (bf16 ones one at a
+// time), and items of alternating reach (Prefill::run) made each long item
+// clear most of its buffers again, ~30% of a short prompt's prefill
+// attention (bench/NOTES.md). Each user writes what it then reads.
+template <typename T>
+class Buffer {
+ public:
+  // Room for n values (what it held is lost if it grows); their start.
+  T* ensure(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(new T[n]);
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+  T* data() const { return data_.get(); }
+  T& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t capacity_ = 0;
+};
+
 // Per-thread scratch rows that outlive a call, so a one-row kernel call (a
-// decode step) allocates nothing. slot: which of a kernel's rows (0-3).
+// decode step) allocates nothing. slot: which of a kernel's rows (0-3); what a
+// row held is lost when it grows.
 inline float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> rows[4];
-  if (static_cast<int64_t>(rows[slot].size()) < n) rows[slot].resize(n);
-  return rows[slot].data();
+  thread_local Buffer<float> rows[4];
+  return rows[slot].ensure(n);
 }
 
 // Halving sum: four dependent adds, not sixteen (without -ffast-math the
