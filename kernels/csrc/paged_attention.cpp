@@ -56,6 +56,54 @@ inline void softmax_heads(Scratch& s, int64_t heads, int64_t len, int64_t stride
   }
 }
 
+// KV head h's part of block n + kStreamAhead of `walk` (counting on into
+// `then`) where 16-bit walks stream ahead (streams_ahead); otherwise nullptr.
+template <int BS, int D, typename scalar_t>
+inline const scalar_t* head_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n,
+                                  int64_t h, int64_t block) {
+  const scalar_t* b =
+      streams_ahead<scalar_t>() ? block_at(walk, then, n + kStreamAhead, block) : nullptr;
+  return b ? b + h * D * BS : nullptr;
+}
+
+// acc += p V for every query head over the value blocks, where `s` holds each
+// head's exp(score - top): two blocks a pass where the pass's sums fit the
+// registers twice (values_pair_of; faster from memory than one block a pass on
+// the AMX Xeon, bench/NOTES.md), the rest one at a time.
+template <typename scalar_t, int BS, int D>
+void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>& next, int64_t len,
+                 int64_t kv_heads, int64_t group) {
+  constexpr int most = heads_per_pass<D>();
+  const int64_t stride = values.blocks * BS, block = kv_heads * D * BS;
+  const bool prefetch = prefetches_blocks<scalar_t>();
+  const bool pairs = std::min<int64_t>(most, group) <= pair_heads<D>();
+  int64_t n = 0;
+  for (; pairs && n + 2 <= values.blocks; n += 2) {
+    for (int j = 0; prefetch && j < 2; ++j) prefetch_ahead(values, next, n + j, block);
+    const int64_t valid_b = std::min<int64_t>(BS, len - (n + 1) * BS);
+    const scalar_t* va = values.cache + values.row[n] * block;
+    const scalar_t* vb = values.cache + values.row[n + 1] * block;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = 0; g < group; g += most)
+        values_pair_of<scalar_t, BS, D>(
+            std::min<int64_t>(most, group - g), s.scores.data() + (h * group + g) * stride + n * BS,
+            stride, valid_b, va + h * D * BS, vb + h * D * BS, s.acc.data() + (h * group + g) * D,
+            g == 0 ? head_ahead<BS, D>(values, next, n, h, block) : nullptr,
+            g == 0 ? head_ahead<BS, D>(values, next, n + 1, h, block) : nullptr);
+  }
+  for (; n < values.blocks; ++n) {
+    if (prefetch) prefetch_ahead(values, next, n, block);
+    const int64_t valid = std::min<int64_t>(BS, len - n * BS);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = 0; g < group; g += most)
+        values_of<scalar_t, D>(std::min<int64_t>(most, group - g),
+                               s.scores.data() + (h * group + g) * stride + n * BS, stride, valid,
+                               values.cache + values.row[n] * block + h * D * BS,
+                               s.acc.data() + (h * group + g) * D,
+                               g == 0 ? head_ahead<BS, D>(values, next, n, h, block) : nullptr);
+  }
+}
+
 // Every query head of one sequence against its `len` tokens in blocks row[0],
 // row[1], ...: one walk over the key blocks and one over the value blocks; the
 // keys of the walk to follow (`next`, none when its blocks are 0) are asked for
@@ -80,18 +128,13 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
   const bool prefetch = prefetches_blocks<scalar_t>(), stream = streams_ahead<scalar_t>();
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
-  // KV head h's part of block n + kStreamAhead (see streams_ahead), or nullptr.
-  auto ahead = [&](const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n, int64_t h) {
-    const scalar_t* b = stream ? block_at(walk, then, n + kStreamAhead, block) : nullptr;
-    return b ? b + h * D * BS : nullptr;
-  };
   in_block_groups<NB>(num_blocks, [&](int64_t n, auto count) {
     constexpr int nb = decltype(count)::value;
     for (int j = 0; prefetch && j < nb; ++j) prefetch_ahead(keys, values, n + j, block);
     for (int64_t h = 0; h < kv_heads; ++h) {
       const scalar_t *kblocks[nb], *kahead[nb];
       for (int j = 0; j < nb; ++j) kblocks[j] = kc + row[n + j] * block + h * D * BS;
-      for (int j = 0; j < nb; ++j) kahead[j] = ahead(keys, values, n + j, h);
+      for (int j = 0; j < nb; ++j) kahead[j] = head_ahead<BS, D>(keys, values, n + j, h, block);
       for (int64_t g = 0; g < group; g += most)  // the keys are in cache after g = 0
         scores_of<scalar_t, BS, D, nb>(std::min<int64_t>(most, group - g),
                                        s.q.data() + (h * group + g) * D, kblocks,
@@ -100,16 +143,7 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
     }
   });
   softmax_heads(s, heads, len, stride);
-  for (int64_t n = 0; n < num_blocks; ++n) {
-    if (prefetch) prefetch_ahead(values, next, n, block);
-    const int64_t valid = std::min<int64_t>(BS, len - n * BS);
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t g = 0; g < group; g += most)
-        values_of<scalar_t, D>(std::min<int64_t>(most, group - g),
-                               s.scores.data() + (h * group + g) * stride + n * BS, stride, valid,
-                               vc + row[n] * block + h * D * BS, s.acc.data() + (h * group + g) * D,
-                               g == 0 ? ahead(values, next, n, h) : nullptr);
-  }
+  walk_values<scalar_t, BS, D>(s, values, next, len, kv_heads, group);
 }
 
 // One work item: out = softmax(q K^T * scale) V for every query head of one

@@ -251,6 +251,71 @@ inline void add_values(const float* p, int64_t stride, int64_t valid, const scal
     }
 }
 
+// The most query heads (G) whose value sums for two blocks at once (2 x G x
+// D/16 vectors) fit the registers beside a vector of each block and G weights:
+// three heads of 64 with AVX-512's 32; none with AVX2's 16 (0).
+template <int D>
+constexpr int pair_heads() {
+  for (int g = 4; g > 0; --g)
+    if ((2 * g * (D / 16) + 2 + g) * llmserve::kRegistersPerVf16 <= llmserve::kVectorRegisters)
+      return g;
+  return 0;
+}
+
+// add_values over two blocks at once, a token of each in turn: block a's
+// weights at p[g * stride + t], block b's BS on; a full, b's first valid_b
+// tokens. A block's value walk alone left its loads waiting on memory where
+// the keys' (four blocks a pass) did not; two walks keep more lines in flight.
+// Each block sums into its own set, added at the end.
+template <typename scalar_t, int BS, int D, int G>
+inline void add_values_pair(const float* p, int64_t stride, int64_t valid_b, const scalar_t* va,
+                            const scalar_t* vb, float* acc, const scalar_t* ahead_a,
+                            const scalar_t* ahead_b) {
+  vf16 sums[2][G][D / 16] = {};
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c) sums[0][g][c] = load16(acc + g * D + c * 16);
+  int64_t t = 0;
+  for (; t < valid_b; ++t)
+    for (int c = 0; c < D / 16; ++c) {
+      const vf16 a = llmserve::in_register(load16(va + t * D + c * 16));
+      const vf16 b = llmserve::in_register(load16(vb + t * D + c * 16));
+      stream_line(ahead_a, t * D + c * 16);
+      stream_line(ahead_b, t * D + c * 16);
+      for (int g = 0; g < G; ++g) {
+        sums[0][g][c] += p[g * stride + t] * a;
+        sums[1][g][c] += p[g * stride + BS + t] * b;
+      }
+    }
+  for (; t < BS; ++t)
+    for (int c = 0; c < D / 16; ++c) {
+      const vf16 a = llmserve::in_register(load16(va + t * D + c * 16));
+      stream_line(ahead_a, t * D + c * 16);
+      for (int g = 0; g < G; ++g) sums[0][g][c] += p[g * stride + t] * a;
+    }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c)
+      llmserve::store16(acc + g * D + c * 16, sums[0][g][c] + sums[1][g][c]);
+}
+
+// add_values_pair for `heads` (1 to pair_heads) query heads, chosen at run time.
+template <typename scalar_t, int BS, int D>
+inline void values_pair_of(int64_t heads, const float* p, int64_t stride, int64_t valid_b,
+                           const scalar_t* va, const scalar_t* vb, float* acc,
+                           const scalar_t* ahead_a, const scalar_t* ahead_b) {
+  constexpr int most = pair_heads<D>();
+  if constexpr (most >= 1)
+    if (heads == 1)
+      return add_values_pair<scalar_t, BS, D, 1>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
+  if constexpr (most >= 2)
+    if (heads == 2)
+      return add_values_pair<scalar_t, BS, D, 2>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
+  if constexpr (most >= 3)
+    if (heads == 3)
+      return add_values_pair<scalar_t, BS, D, 3>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
+  if constexpr (most >= 4)
+    add_values_pair<scalar_t, BS, D, 4>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
+}
+
 template <typename scalar_t, int D>
 inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t valid,
                       const scalar_t* vblock, float* acc, const scalar_t* ahead = nullptr) {
