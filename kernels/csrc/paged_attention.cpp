@@ -126,7 +126,7 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   s.top.ensure(heads);
   s.sum.ensure(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
-  const bool prefetch = prefetches_blocks<scalar_t>(), stream = streams_ahead<scalar_t>();
+  const bool prefetch = prefetches_blocks<scalar_t>();
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
   in_block_groups<NB>(num_blocks, [&](int64_t n, auto count) {
     constexpr int nb = decltype(count)::value;
@@ -136,10 +136,9 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
       for (int j = 0; j < nb; ++j) kblocks[j] = kc + row[n + j] * block + h * D * BS;
       for (int j = 0; j < nb; ++j) kahead[j] = head_ahead<BS, D>(keys, values, n + j, h, block);
       for (int64_t g = 0; g < group; g += most)  // the keys are in cache after g = 0
-        scores_of<scalar_t, BS, D, nb>(std::min<int64_t>(most, group - g),
-                                       s.q.data() + (h * group + g) * D, kblocks,
-                                       s.scores.data() + (h * group + g) * stride + n * BS, stride,
-                                       stream && g == 0 ? kahead : nullptr);
+        scores_of<scalar_t, BS, D, nb>(
+            std::min<int64_t>(most, group - g), s.q.data() + (h * group + g) * D, kblocks,
+            s.scores.data() + (h * group + g) * stride + n * BS, stride, g == 0 ? kahead : nullptr);
     }
   });
   softmax_heads(s, heads, len, stride);
