@@ -116,6 +116,15 @@ inline void in_block_groups(int64_t num_blocks, F&& f) {
   for (; n < num_blocks; ++n) f(n, std::integral_constant<int, 1>{});
 }
 
+// f(count) for count = `heads` (1 to Most), chosen at run time; count is a
+// std::integral_constant, so that each head count compiles to its own loop.
+template <int Most, typename F>
+inline void with_heads(int64_t heads, F&& f) {
+  if constexpr (Most > 1)
+    if (heads < Most) return with_heads<Most - 1>(heads, f);
+  f(std::integral_constant<int, Most>{});
+}
+
 // acc[g] (D/16 vectors per head, in registers) += p[g][t] * V[t] over a block's
 // first `valid` tokens; values [BS][D], weights p[g * stride + t]. With fewer
 // than eight sums, even and odd tokens add into separate sets (P = 2), so that
@@ -225,12 +234,9 @@ inline bool streams_ahead() {
 template <typename scalar_t, int BS, int D, int NB = 1>
 inline void scores_of(int64_t heads, const float* q, const scalar_t* const* kblocks, float* scores,
                       int64_t stride, const scalar_t* const* ahead = nullptr) {
-  if (heads == 1) return block_scores<scalar_t, BS, D, 1, NB>(q, kblocks, scores, stride, ahead);
-  if (heads == 2) return block_scores<scalar_t, BS, D, 2, NB>(q, kblocks, scores, stride, ahead);
-  if constexpr (heads_per_pass<D>() == 4) {
-    if (heads == 3) return block_scores<scalar_t, BS, D, 3, NB>(q, kblocks, scores, stride, ahead);
-    block_scores<scalar_t, BS, D, 4, NB>(q, kblocks, scores, stride, ahead);
-  }
+  with_heads<heads_per_pass<D>()>(heads, [&](auto g) {
+    block_scores<scalar_t, BS, D, decltype(g)::value, NB>(q, kblocks, scores, stride, ahead);
+  });
 }
 
 // acc[G][D] (fp32, in memory between blocks) += p V over a block: block_values
@@ -302,29 +308,19 @@ template <typename scalar_t, int BS, int D>
 inline void values_pair_of(int64_t heads, const float* p, int64_t stride, int64_t valid_b,
                            const scalar_t* va, const scalar_t* vb, float* acc,
                            const scalar_t* ahead_a, const scalar_t* ahead_b) {
-  constexpr int most = pair_heads<D>();
-  if constexpr (most >= 1)
-    if (heads == 1)
-      return add_values_pair<scalar_t, BS, D, 1>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
-  if constexpr (most >= 2)
-    if (heads == 2)
-      return add_values_pair<scalar_t, BS, D, 2>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
-  if constexpr (most >= 3)
-    if (heads == 3)
-      return add_values_pair<scalar_t, BS, D, 3>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
-  if constexpr (most >= 4)
-    add_values_pair<scalar_t, BS, D, 4>(p, stride, valid_b, va, vb, acc, ahead_a, ahead_b);
+  if constexpr (pair_heads<D>() > 0)
+    with_heads<pair_heads<D>()>(heads, [&](auto g) {
+      add_values_pair<scalar_t, BS, D, decltype(g)::value>(p, stride, valid_b, va, vb, acc, ahead_a,
+                                                           ahead_b);
+    });
 }
 
 template <typename scalar_t, int D>
 inline void values_of(int64_t heads, const float* p, int64_t stride, int64_t valid,
                       const scalar_t* vblock, float* acc, const scalar_t* ahead = nullptr) {
-  if (heads == 1) return add_values<scalar_t, D, 1>(p, stride, valid, vblock, acc, ahead);
-  if (heads == 2) return add_values<scalar_t, D, 2>(p, stride, valid, vblock, acc, ahead);
-  if constexpr (heads_per_pass<D>() == 4) {
-    if (heads == 3) return add_values<scalar_t, D, 3>(p, stride, valid, vblock, acc, ahead);
-    add_values<scalar_t, D, 4>(p, stride, valid, vblock, acc, ahead);
-  }
+  with_heads<heads_per_pass<D>()>(heads, [&](auto g) {
+    add_values<scalar_t, D, decltype(g)::value>(p, stride, valid, vblock, acc, ahead);
+  });
 }
 
 // Per-thread buffers, grown to the longest sequence a thread meets.

@@ -68,10 +68,9 @@ inline void block_scores_pairs(const uint32_t* qpairs, float scale,
 template <int BS, int D, int NB = 1>
 inline void scores_of_pairs(int64_t heads, const uint32_t* qpairs, float scale,
                             const at::BFloat16* const* kblocks, float* scores, int64_t stride) {
-  if (heads == 1) return block_scores_pairs<BS, D, 1, NB>(qpairs, scale, kblocks, scores, stride);
-  if (heads == 2) return block_scores_pairs<BS, D, 2, NB>(qpairs, scale, kblocks, scores, stride);
-  if (heads == 3) return block_scores_pairs<BS, D, 3, NB>(qpairs, scale, kblocks, scores, stride);
-  block_scores_pairs<BS, D, 4, NB>(qpairs, scale, kblocks, scores, stride);
+  with_heads<4>(heads, [&](auto g) {
+    block_scores_pairs<BS, D, decltype(g)::value, NB>(qpairs, scale, kblocks, scores, stride);
+  });
 }
 #else
 constexpr bool kBf16PairScores = false;
