@@ -71,19 +71,24 @@ class LocalStack:
     services: list[ServiceProcess] = field(default_factory=list)
 
     def start(self, timeout_s: float = 300.0) -> str:
-        """Starts every service and waits until each serves; returns the frontend address."""
+        """Starts every service at once and waits until each serves; returns the
+        frontend address. Each service is given the ports of those it calls, picked
+        here, and waits for them as pods do: their imports and the model's load
+        overlap, where one after the other they were most of a stack's start."""
         self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
         deadline = time.monotonic() + timeout_s
         try:
-            engines = [self._start_engine_core(i, deadline) for i in range(self.engine_replicas)]
-            frontend = self._spawn("frontend", [
+            engines = [self._launch_engine_core(i) for i in range(self.engine_replicas)]
+            frontend = self._launch("frontend", [
                 "services.frontend", "--host", self.host,
                 "--engine-core-addresses", ",".join(e.address for e in engines),
+                "--engine-wait-timeout", str(timeout_s),
                 "--model", self.config.model.model, *self._http_flags(),
                 *self._metrics_flags("frontend", 0, self.host),
                 "--drain-timeout", str(self.drain_timeout_s), *tls_to_argv(self.tls),
                 *(["--lora-modules", *self.lora_modules] if self.lora_modules else [])],
-                self.port, deadline)
+                self.port)
+            self._wait_serving(self.services, deadline)
         except BaseException:
             self.stop()
             raise
@@ -115,34 +120,35 @@ class LocalStack:
         in the caller's process) and returns their addresses in rank order."""
         self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
         try:
-            workers = self._start_workers(0, time.monotonic() + timeout_s)
+            workers = self._launch_workers(0)
+            self._wait_serving(workers, time.monotonic() + timeout_s)
         except BaseException:
             self.stop()
             raise
         return [w.address for w in workers]
 
-    def _start_workers(self, replica: int, deadline: float) -> list[ServiceProcess]:
+    def _launch_workers(self, replica: int) -> list[ServiceProcess]:
         suffix = f"-{replica}" if self.engine_replicas > 1 else ""
         ranks = self.workers_per_replica
         workers = []
         for rank in range(ranks):  # global ranks, stage-major (services/worker/pipeline.py)
             name = f"worker{suffix}" + (f"-rank{rank}" if ranks > 1 else "")
             index = replica * ranks + rank
-            workers.append(self._spawn(name, [
+            workers.append(self._launch_internal(name, [
                 "services.worker", "--host", "127.0.0.1", "--rank", str(rank),
                 *self._cores_flag(index), *tls_to_argv(self.tls),
-                *self._metrics_flags(name, 1 + self.engine_replicas + index)], 0, deadline))
+                *self._metrics_flags(name, 1 + self.engine_replicas + index)]))
         return workers
 
-    def _start_engine_core(self, replica: int, deadline: float) -> ServiceProcess:
+    def _launch_engine_core(self, replica: int) -> ServiceProcess:
         suffix = f"-{replica}" if self.engine_replicas > 1 else ""
-        workers = self._start_workers(replica, deadline)
+        workers = self._launch_workers(replica)
         name = f"engine-core{suffix}"
-        return self._spawn(name, [
+        return self._launch_internal(name, [
             "services.engine_core", "--host", "127.0.0.1",
             "--worker-addresses", ",".join(w.address for w in workers),
             *self._metrics_flags(name, 1 + replica), "--drain-timeout", str(self.drain_timeout_s),
-            *tls_to_argv(self.tls), *engine_args_to_argv(self.config)], 0, deadline)
+            *tls_to_argv(self.tls), *engine_args_to_argv(self.config)])
 
     def _http_flags(self) -> list[str]:
         """A free port is picked here, so that http_address is known at once."""
@@ -182,21 +188,27 @@ class LocalStack:
     def restart(self, service: ServiceProcess, timeout_s: float = 120.0) -> None:
         """Starts a dead service again, on its old port (its clients reconnect)."""
         port = int(service.address.rsplit(":", 1)[1])
-        fresh = self._launch(service.name, service.module_args, port)
-        service.process = fresh.process
-        self._wait_serving(service, time.monotonic() + timeout_s)
+        service.process = self._process(service.name, service.module_args, port)
+        self._wait_serving([service], time.monotonic() + timeout_s)
 
-    def _spawn(self, name: str, module_args: list[str], port: int,
-               deadline: float) -> ServiceProcess:
+    def _launch_internal(self, name: str, module_args: list[str]) -> ServiceProcess:
+        """A service only the stack calls, on loopback, at a port picked now so that
+        its callers can be started with its address before it serves."""
+        port = free_port("127.0.0.1")
         service = self._launch(name, module_args, port)
-        self.services.append(service)
-        self._wait_serving(service, deadline)
+        service.address = f"127.0.0.1:{port}"
         return service
 
     def _launch(self, name: str, module_args: list[str], port: int) -> ServiceProcess:
+        service = ServiceProcess(name, self._process(name, module_args, port),
+                                 self._log_path(name), module_args=module_args)
+        self.services.append(service)
+        return service
+
+    def _process(self, name: str, module_args: list[str], port: int) -> subprocess.Popen:
         port_file = self._port_file(name)
         port_file.unlink(missing_ok=True)
-        log_path = Path(self.log_dir) / f"{name}.log" if self.log_dir else None
+        log_path = self._log_path(name)
         out = open(log_path, "a") if log_path else None
         process = subprocess.Popen(
             [sys.executable, "-m", *module_args, "--port", str(port), "--port-file", str(port_file)],
@@ -204,7 +216,10 @@ class LocalStack:
             env=self._environment())
         if out:
             out.close()
-        return ServiceProcess(name, process, log_path, module_args=module_args)
+        return process
+
+    def _log_path(self, name: str) -> Path | None:
+        return Path(self.log_dir) / f"{name}.log" if self.log_dir else None
 
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **(self.env or {}), LAUNCHER_PID_ENV: str(os.getpid())}
@@ -215,14 +230,22 @@ class LocalStack:
     def _port_file(self, name: str) -> Path:
         return Path(self._tmp.name) / f"{name}.addr"
 
-    def _wait_serving(self, service: ServiceProcess, deadline: float) -> None:
-        port_file = self._port_file(service.name)
-        while not port_file.exists():
-            if service.process.poll() is not None:
-                raise RuntimeError(
-                    f"{service.name} exited with code {service.process.returncode} before "
-                    "serving" + (f"; see {service.log_path}" if service.log_path else ""))
+    def _wait_serving(self, services: list[ServiceProcess], deadline: float) -> None:
+        """Until each service has written its address. The first, in start order,
+        that exits or is late raises: a worker that failed is named before the
+        engine core left waiting for it."""
+        waiting = list(services)
+        while True:
+            for service in waiting:
+                if service.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{service.name} exited with code {service.process.returncode} before "
+                        "serving" + (f"; see {service.log_path}" if service.log_path else ""))
+            waiting = [s for s in waiting if not self._port_file(s.name).exists()]
+            if not waiting:
+                break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{service.name} did not start serving in time")
+                raise TimeoutError(f"{waiting[0].name} did not start serving in time")
             time.sleep(0.05)
-        service.address = port_file.read_text().strip()
+        for service in services:
+            service.address = self._port_file(service.name).read_text().strip()

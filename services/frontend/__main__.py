@@ -3,6 +3,7 @@ OpenAI-compatible HTTP API, from one process and event loop."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from services.common.auth import add_api_key_arg
 from services.common.config_cli import add_model_flag
@@ -15,7 +16,6 @@ from services.common.server import (ServiceServer, add_drain_arg, add_health_por
 from services.common.tls import add_tls_args, tls_from_args
 from services.frontend.async_llm import AsyncLLM
 from services.frontend.engine_addresses import parse_engine_addresses
-from services.frontend.engine_client import EngineClient
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_api.app import build_app
 from services.frontend.openai_api.http_server import HttpServer
@@ -69,10 +69,15 @@ def _engine_addresses(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-async def build_async_llm(engine: EngineClient, model: str,
-                          metrics: ServiceMetrics | None = None) -> AsyncLLM:
-    model_dir = resolve_model(model)
-    tokenizer, eos_token_ids = load_tokenizer(model_dir)
+async def start_async_llm(engine: EngineRouter, args: argparse.Namespace,
+                          metrics: ServiceMetrics | None) -> AsyncLLM:
+    """Waits for the engine cores while the tokenizer loads: the services of a
+    stack (or a Kubernetes deployment's pods) start together, and the tokenizer's
+    load then costs nothing on the way to serving."""
+    model_dir = resolve_model(args.model)
+    tokenizer_load = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, model_dir))
+    await engine.start(timeout_s=args.engine_wait_timeout)
+    tokenizer, eos_token_ids = await tokenizer_load
     info = await engine.get_info()
     processor = Processor(tokenizer, info, eos_token_ids)
     name = served_model_name(model_dir)
@@ -84,11 +89,10 @@ async def serve(args: argparse.Namespace) -> None:
     tls = tls_from_args(args)
     engine = EngineRouter(args.engine_core_addresses, tls=tls,
                           refresh_interval_s=args.dns_refresh_interval)
-    await engine.start(timeout_s=args.engine_wait_timeout)
     # Metrics are kept when something serves them: --metrics-port or the HTTP API.
     metrics = (ServiceMetrics("llmserve-frontend")
                if args.metrics_port is not None or args.http_port is not None else None)
-    llm = await build_async_llm(engine, args.model, metrics)
+    llm = await start_async_llm(engine, args, metrics)
     for name, path in args.lora_modules:
         await llm.loras.load(name, path)
     servicer = InferenceServicer(llm)
