@@ -6,8 +6,10 @@
 // prefetched while the current one multiplies, so DRAM never idles during the
 // tile math. Compiled only where the build host has AMX-BF16 (-march=native);
 // elsewhere amx_bf16_available() is false and the linears use oneDNN.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -5,7 +5,7 @@
 // one cost more than the element-wise kernels themselves (bench/NOTES.md);
 // here each costs a C++ call. Plain layers only (no biases, no q/k norms, no
 // LoRA, one rank): services/worker/models/cpu_decode_layers.py decides.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <vector>

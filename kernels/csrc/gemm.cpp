@@ -25,9 +25,11 @@
 // store them rounded to bf16. On an AMD EPYC Zen 5 a pass over the model's
 // linears ran 1.1-1.3x oneDNN's bf16 product from 8 to 256 rows, and tied it at
 // 2,048, where the widening path ran at 0.5-0.6x it (bench/NOTES.md).
-#include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>

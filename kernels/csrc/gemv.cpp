@@ -5,9 +5,10 @@
 // kernel, which comes close to a bare sum over them (bench/NOTES.md). Works with
 // AVX2 as with AVX-512 (widening bf16 is a shift), so it also serves 16-bit
 // weights on CPUs without bf16 arithmetic.
-#include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 

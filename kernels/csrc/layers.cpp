@@ -6,8 +6,11 @@
 // the normalized value to the model dtype, then multiplies by the weight (two
 // roundings in bf16, none in fp32). The sum of squares is a vectorized reduction,
 // as torch's mean is, so it can differ from torch in the last bit.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <cstring>

@@ -2,7 +2,7 @@
 // operators show up in the profiler and can be traced by torch.compile.
 #include "ops.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 namespace {

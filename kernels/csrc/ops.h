@@ -3,10 +3,11 @@
 // registers as torch operators, and what decode_layers.cpp calls directly.
 #pragma once
 
-// ATen, here and in every kernel file, not <torch/extension.h>: the kernels use
-// neither its Python bindings nor torch's C++ frontend, and parsing it took ~18
-// of each file's ~23 s to compile (the whole build: 155-250 s, now ~100).
-#include <ATen/ATen.h>
+// ATen's Tensor, here and in every kernel file, and each file the ATen/ops/*.h of
+// the functions it calls: not <ATen/ATen.h> (every operator's declaration) nor
+// <torch/extension.h> (Python bindings, the C++ frontend). Parsing what the
+// kernels never use was most of each small file's compile time.
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

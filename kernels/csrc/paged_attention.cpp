@@ -3,8 +3,10 @@
 // shares with prefills: paged_attention.h.
 #include "paged_attention.h"
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

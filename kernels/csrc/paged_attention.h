@@ -18,7 +18,8 @@
 // (dtypes x block sizes x head dims) side by side.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>

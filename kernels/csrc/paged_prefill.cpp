@@ -2,8 +2,8 @@
 // sequence, causal), chunked ones included. The layout and the block walks it
 // shares with decodes: paged_attention.h. On CPUs with AMX, a bf16 model's items
 // multiply on tiles instead (paged_prefill_amx.h).
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>

@@ -11,7 +11,7 @@
 #include "amx_tiles.h"
 
 #ifdef LLMSERVE_AMX
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>

@@ -2,8 +2,10 @@
 // argmax over the vocabulary runs on one thread). 16-bit logits are compared
 // widened to fp32, which is exact, so a 16-bit model's greedy step needs no fp32
 // copy of its logits (50 MB at 256 rows).
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -3,7 +3,10 @@
 // item it takes, as a thread that lost its core would be.
 #include "work_stealing.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 
 #include <chrono>
 #include <thread>
