@@ -8,6 +8,11 @@ _MESSAGE_LIMITS = [
 ]
 
 SERVER_OPTIONS = _MESSAGE_LIMITS + [
+    # gRPC sets SO_REUSEPORT by default: a second server on a port in use (a
+    # second `llmserve serve`, or a port picked free and taken before its
+    # service bound it) then shared it silently, each getting some of the
+    # connections. Off, the second fails to bind and says so.
+    ("grpc.so_reuseport", 0),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

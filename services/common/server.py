@@ -87,13 +87,9 @@ class ServiceServer:
                     health_port: int | None = None) -> str:
         """Binds (port 0 picks a free one) and starts; returns host:port. health_port,
         when not None, serves the health service alone there, in plaintext."""
-        if self.tls.enabled:
-            bound = self.server.add_secure_port(
-                f"{host}:{port}", self.tls.server_credentials(self.require_client_cert))
-        else:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+        credentials = (self.tls.server_credentials(self.require_client_cert)
+                       if self.tls.enabled else None)
+        bound = _bind(self.server, f"{host}:{port}", credentials)
         await self.server.start()
         if health_port is not None:
             await self._start_health_server(host, health_port)
@@ -114,9 +110,7 @@ class ServiceServer:
     async def _start_health_server(self, host: str, port: int) -> None:
         self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        bound = self.health_server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port} (--health-port)")
+        bound = _bind(self.health_server, f"{host}:{port}", None, "--health-port")
         await self.health_server.start()
         logger.info("health (plaintext) on %s:%d", host, bound)
 
@@ -174,6 +168,21 @@ def run_service(log_name: str, default_otel_name: str,
     finally:
         tracing.shutdown_tracing()
         metrics.shutdown_otlp_metrics()
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials, flag: str = "--port") -> int:
+    """The port bound (a free one for port 0). grpcio reports a failed bind by 0 or,
+    in newer versions, a RuntimeError; either is an OSError here that names the
+    address and the flag that chose it."""
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials
+                 else server.add_insecure_port(address))
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {address} ({flag}): in use by another process, or "
+                      "not an address of this host")
+    return bound
 
 
 def start_process(log_name: str, default_otel_name: str) -> None:
