@@ -25,8 +25,9 @@ CHANNEL_OPTIONS = _MESSAGE_LIMITS + [
     ("grpc.keepalive_permit_without_calls", 1),
     # A restarted worker or engine core is back within seconds, and a stack's
     # services start together, each waiting for the next: retry the connection
-    # every 0.5 s at most (gRPC's default backoff grows to 120 s; at 2 s a stack's
-    # start waited 1-2 s more for each hop). A refused connect costs microseconds.
+    # every 0.5 s at most (gRPC's default backoff grows to 120 s; with 2 s, each
+    # hop of a stack's start could wait that long after the next service was up).
+    # A refused connect on loopback is cheap.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]

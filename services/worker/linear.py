@@ -27,8 +27,9 @@ class _Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         """Leaves the weights as allocated (torch.empty), as ParallelLMHead does: the
-        checkpoint fills every one (load_weights refuses one it lacks), and
-        nn.Linear's random init cost ~0.7 s of each load of the default model."""
+        checkpoint fills every one (load_weights refuses one it lacks), so
+        nn.Linear's random init was a pass over every weight for nothing, at each
+        load (bench/NOTES.md, start-up)."""
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         y = matmul(self, x)
