@@ -1,9 +1,10 @@
 // y = x W^T for any number of rows of x, on weights packed once into panels of
-// 48 output columns: panel p holds W[48p : 48p + 48, :] transposed, [K][48],
-// front to back, in the weight's dtype (fp32, bf16 or fp16; fp32 sums always).
-// A tile of up to 8 rows of x walks one panel along K, its 8 x 48 sums in 24
-// AVX-512 registers; each step loads three vectors of the panel and broadcasts
-// one value of each row (outer products, no horizontal sums). A thread keeps a
+// 48 output columns with AVX-512 (16 with AVX2): panel p holds W[48p : 48p + 48, :]
+// transposed, [K][48], front to back, in the weight's dtype (fp32, bf16 or fp16;
+// fp32 sums always). A tile of up to 8 rows of x (6 with AVX2) walks one panel
+// along K, its 8 x 48 sums in 24 AVX-512 registers (6 x 16 in 12 AVX2 ones); each
+// step loads the panel's row of vectors and broadcasts one value of each row
+// (outer products, no horizontal sums). A thread keeps a
 // panel in L2 while every row tile of a block of up to 256 rows passes over it,
 // and meanwhile asks for the next, so the weights stream from memory once a
 // block, in one sequential stream per thread, behind the arithmetic.
@@ -12,8 +13,8 @@
 // shapes (tens of rows, N of 576-3072) it ran at 70-85% of an AMD EPYC's fp32
 // peak with the weights in memory, against ~93% here, and ~95% of it with them
 // in cache; on an Intel Xeon MKL's pack ran at 75-90% of this kernel's rate from
-// 2 to 512 rows (bench/NOTES.md). Built for AVX-512: without it 24 sums do not
-// fit the 16 AVX2 registers, and the worker does not choose this kernel there.
+// 2 to 512 rows (bench/NOTES.md). With AVX2 on an AMD EPYC Zen 3, oneDNN ran at
+// 0.54-0.82x this kernel's rate from 1 to 256 rows.
 //
 // gemm_silu_and_mul multiplies by an MLP's gate_up weight and applies the
 // activation tile by tile, gate's panel and up's in turn, so the product (twice
@@ -44,12 +45,17 @@ using llmserve::load16;
 using llmserve::store16;
 using llmserve::vf16;
 
-constexpr int64_t kPanel = 48;  // output columns a panel holds: three vectors
+// Output columns a panel holds, and the rows of x a tile takes: with AVX-512,
+// 48 columns (three vectors) and 8 rows, 24 sums of the 32 vector registers;
+// with AVX2, 16 columns (two 8-float registers) and 6 rows, 12 sums, the panel's
+// 2 and a broadcast: 15 of its 16 (the shape of BLIS's Haswell kernel).
+constexpr bool kWide = llmserve::kVectorRegisters == 32;
+constexpr int64_t kPanel = kWide ? 48 : 16;
 constexpr int kVectors = kPanel / 16;
-constexpr int kTileRows = 8;  // 8 x 3 sums: 24 of the 32 vector registers
+constexpr int kTileRows = kWide ? 8 : 6;
 
 // The panel a thread most likely takes after this one (the next of its range,
-// work_stealing.h), as stored: K x 48 of the weight's dtype; none after the last.
+// work_stealing.h), as stored: K x kPanel of the weight's dtype; none after the last.
 struct NextPanel {
   const char* start = nullptr;
   int64_t bytes = 0;
@@ -94,23 +100,21 @@ const float* fp32_panel(const T* panel, int64_t K, int slot) {
   }
 }
 
-// c[r][0:48] = a[r] . panel for MR rows; c's rows are ldc apart.
+// c[r][0:kPanel] = a[r] . panel for MR rows; c's rows are ldc apart.
 template <int MR>
 void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
           Prefetch pf) {
   vf16 acc[MR][kVectors] = {};
   for (int64_t k = 0; k < K; ++k) {
     if (pf.from != nullptr) __builtin_prefetch(pf.from + ((k * pf.rate) >> 16) * 64, 0, 2);
-    const float* b = panel + k * kPanel;
-    const vf16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32);
+    vf16 b[kVectors];
+    for (int v = 0; v < kVectors; ++v) b[v] = load16(panel + k * kPanel + 16 * v);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       // A float, not a vf16: GCC then broadcasts it from memory (a load) where
       // `vf16{} + x` cost an add and a register broadcast on the FMA ports.
       const float x = a[r * lda + k];
-      acc[r][0] += x * b0;
-      acc[r][1] += x * b1;
-      acc[r][2] += x * b2;
+      for (int v = 0; v < kVectors; ++v) acc[r][v] += x * b[v];
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -160,13 +164,15 @@ constexpr bool kBf16Dot = false;
 // stored as O: fp32, or (bf16 activations) rounded to bf16.
 template <typename A, typename O>
 using TileFn = void (*)(const A*, int64_t, const A*, int64_t, O*, int64_t, Prefetch);
+// (Eight entries however many rows a tile takes; an AVX2 build calls up to tile<6>.)
+static_assert(kTileRows <= 8);
 template <typename A, typename O>
-constexpr TileFn<A, O> kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
-                                                tile<5>, tile<6>, tile<7>, tile<8>};
+constexpr TileFn<A, O> kTiles[8 + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                        tile<5>, tile<6>, tile<7>, tile<8>};
 
 // Rows [r0, r1) of x against panel p, in tiles of at most kTileRows rows of near
 // equal size (64 rows: eight of 8; 20 rows: 7, 7, 6). The last panel may hold
-// fewer than 48 real columns (zeros after them): its tiles go through a buffer.
+// fewer than kPanel real columns (zeros after them): its tiles go through a buffer.
 template <typename A, typename O>
 void panel_rows(const A* x, int64_t K, const A* panel, NextPanel next, int64_t r0, int64_t r1, O* y,
                 int64_t N, int64_t col) {
@@ -185,7 +191,7 @@ void panel_rows(const A* x, int64_t K, const A* panel, NextPanel next, int64_t r
   }
 }
 
-// silu(x W_gate^T) * (x W_up^T) for rows [r0, r1), on the 48 output columns at
+// silu(x W_gate^T) * (x W_up^T) for rows [r0, r1), on the kPanel output columns at
 // `col` of gate panel `gate` and up panel `up` (the same columns of each half of
 // W): both tiles and the product stay in L1, so gate_up's product, twice the
 // output, never goes through memory (bench/NOTES.md). The same sums, the same
@@ -285,7 +291,7 @@ bool packable(at::ScalarType type) {
 }
 
 // Whether `packed` is a pair panels' pack (bf16 activations, VDPBF16PS): [panels,
-// K / 2, 96]; else [panels, K, 48].
+// K / 2, 96]; else [panels, K, kPanel].
 bool pair_panels(const at::Tensor& packed) { return packed.size(2) == 2 * kPanel; }
 
 void check_packed(const at::Tensor& x, const at::Tensor& packed, const char* name) {
@@ -333,14 +339,14 @@ int64_t gemm_panel_columns() { return kPanel; }
 
 bool gemm_bf16_dot_available() { return kBf16Dot; }
 
-// weight [N, K] (fp32, bf16 or fp16) -> [panels, K, 48] of its dtype, zeros after
+// weight [N, K] (fp32, bf16 or fp16) -> [panels, K, kPanel] of its dtype, zeros after
 // its last row; a bf16 weight of even K, where the kernels are built with
 // AVX512-BF16, -> pair panels [panels, K / 2, 96] (pair_panels).
 at::Tensor pack_gemm_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && packable(weight.scalar_type()),
               "pack_gemm_weight: an fp32, bf16 or fp16 [N, K] weight");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  // Zero rows up to whole panels, then each panel's 48 rows transposed, in one copy.
+  // Zero rows up to whole panels, then each panel's rows transposed, in one copy.
   const auto padded = at::constant_pad_nd(weight, {0, 0, 0, panels * kPanel - N});
   if (kBf16Dot && weight.scalar_type() == at::kBFloat16 && K % 2 == 0)
     return padded.reshape({panels, kPanel, K / 2, 2})

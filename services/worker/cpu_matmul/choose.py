@@ -7,15 +7,16 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
   for up to four rows (two where AVX-512 runs at half width); on Intel CPUs without
   either: our GEMM on the bf16 weights, our GEMV for few rows;
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
-  one or two rows (bf16 up to four where AVX-512 runs at full width); fp16 models
-  elsewhere: our GEMM on the fp16 weights where it is built, our GEMV for few rows;
+  one or two rows (bf16 up to four where AVX-512 runs at full width); elsewhere:
+  our GEMM on the 16-bit weights where it is built, our GEMV for few rows;
 - fp32 models with `--weight-dtype bfloat16/float16`: our GEMV on a 16-bit copy
   of the weights for up to weight_dtype_max_rows() rows, the fp32 path above;
 - with kernels built without AVX-512, our GEMV for at most 6 rows (gemv_rows);
-- fp32 on CPUs with AVX-512: our GEMM on weights we pack; on Intel CPUs without
-  it: MKL prepacked; on the rest: oneDNN prepacked (MKL runs generic code paths
-  off Intel); our GEMV in front of each for one row (two before oneDNN, up to
-  eight before our GEMM on Intel: fp32_gemv_rows);
+- fp32 on CPUs with AVX-512, and on AMD CPUs with AVX2: our GEMM on weights we
+  pack; on Intel CPUs without AVX-512: MKL prepacked; where our kernels are not
+  built: oneDNN prepacked (MKL runs generic code paths off Intel); our GEMV in
+  front of each for one row (two before oneDNN, up to eight before our GEMM on
+  Intel: fp32_gemv_rows);
 - otherwise F.linear.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_DOT_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH,
                                              PackedGemmWeights, bf16_dot_gemm_available,
-                                             packed_gemm_available,
+                                             packed_gemm_available, packed_gemm_tiles_avx512,
                                              packed_weights_on_huge_pages)
 from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
                                              GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
@@ -86,7 +87,7 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
         return sixteen_bit_model_weights, PACKED_GEMM_PATH
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         return onednn_weights, ONEDNN_PACKED_PATH
-    if dtype == torch.float16 and packed_gemm_available():
+    if dtype in (torch.bfloat16, torch.float16) and packed_gemm_available():
         return sixteen_bit_model_weights, PACKED_GEMM_PATH
     if dtype == torch.float32 and weight_dtype is not None and cpu_ops_available():
         name = str(weight_dtype).removeprefix("torch.")
@@ -148,7 +149,8 @@ def bf16_packed_gemv_rows() -> int:
 def weight_dtype_max_rows() -> int:
     """The most rows a step may have for `--weight-dtype` to act on it on this CPU:
     as many as its GEMV beats this CPU's fp32 path at (bench/NOTES.md)."""
-    packed_gemm = (SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH if avx512_full_width()
+    every_row = avx512_full_width() or not packed_gemm_tiles_avx512()
+    packed_gemm = (SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH if every_row
                    else SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS)
     return _rows_before_fp32_path(packed_gemm, SIXTEEN_BIT_GEMV_OVER_MKL_ROWS,
                                   GEMV_OVER_FP32_ROWS)
@@ -188,8 +190,9 @@ def _rows_before_fp32_path(packed_gemm: int, mkl: int, other: int) -> int:
 
 
 def fp32_path() -> str:
-    """Which of fp32_weights' paths this CPU takes."""
-    if packed_gemm_available():
+    """Which of fp32_weights' paths this CPU takes: our GEMM's AVX2 tiles were measured
+    against oneDNN (on an AMD EPYC), not MKL, so Intel CPUs without AVX-512 keep MKL's."""
+    if packed_gemm_available() and (packed_gemm_tiles_avx512() or not cpu_is_intel()):
         return PACKED_GEMM_PATH
     if cpu_is_intel() and mkl_packing_available():
         return MKL_PACKED_PATH

@@ -1,19 +1,21 @@
 """Our GEMM kernel (kernels/csrc/gemm.cpp) on weights packed once into panels of
-48 output columns: the fp32 path on CPUs with AVX-512, for every step above the
-GEMV's row, in place of oneDNN's prepacked product (which it beat on the model's
-shapes from 2 to 256 rows on an AMD EPYC, and about matched at 2,048) and of
-MKL's (which it beat from 2 to 512 rows on an Intel Xeon, and about matched at
-2,048); and a bf16 model's path on Intel CPUs without AMX, on its bf16 weights
-with fp32 sums, where oneDNN's bf16 product ran at 0.61-0.76x its rate from 8
-to 2,048 rows, and on any CPU whose kernels multiply bf16 pairs (AVX512-BF16),
-where oneDNN's ran at 0.78-0.91x it from 8 to 256 rows on an AMD EPYC Zen 5
-(bench/NOTES.md). On an MLP's gate_up weight it also applies the
+48 output columns (16 with AVX2): the fp32 path on CPUs with AVX-512, for every
+step above the GEMV's row, in place of oneDNN's prepacked product (which it beat
+on the model's shapes from 2 to 256 rows on an AMD EPYC, and about matched at
+2,048) and of MKL's (which it beat from 2 to 512 rows on an Intel Xeon, and about
+matched at 2,048), and on AMD CPUs with AVX2 only (an EPYC Zen 3: 1.2-1.8x
+oneDNN's rate from 1 to 256 rows); a bf16 model's path on Intel CPUs without
+AMX, on its bf16 weights with fp32 sums, where oneDNN's bf16 product ran at
+0.61-0.76x its rate from 8 to 2,048 rows, and on any CPU whose kernels multiply
+bf16 pairs (AVX512-BF16), where oneDNN's ran at 0.78-0.91x it from 8 to 256 rows
+on an AMD EPYC Zen 5; and a 16-bit model's where oneDNN has no native product
+for its dtype (bench/NOTES.md). On an MLP's gate_up weight it also applies the
 activation inside the product (fused_silu_and_mul)."""
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import kernels_built_for_avx512
+from kernels.cpu_build import cpu_ops_available, kernels_built_for_avx512
 from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS, GemvForFewRows
 from services.worker.host_memory import onto_huge_pages
 
@@ -29,7 +31,8 @@ GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL = GEMV_MAX_ROWS
 # beats the packed GEMM on the fp32 ones: on an AMD EPYC Zen 4 at two rows it won
 # in one process and lost in another, at three it tied or lost; where AVX-512 runs
 # at full width (an Intel Xeon, an AMD EPYC Zen 5) it won at every row count it
-# takes (bench/NOTES.md).
+# takes, and built for AVX2 (an AMD EPYC Zen 3) at the 6 rows of one pass, its
+# cap there (bench/NOTES.md).
 SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS = 1
 SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH = GEMV_MAX_ROWS
 # A bf16 model's own weights: our GEMV read them faster than the packed GEMM at
@@ -79,7 +82,13 @@ def fused_silu_and_mul(strategy, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_gemm_available() -> bool:
-    """Whether the kernel is built here for AVX-512 (24 sums need its 32 registers)."""
+    """Whether our GEMM kernel is built here (kernels/csrc/gemm.cpp): tiles of 8 rows x
+    48 columns with AVX-512, of 6 x 16 with AVX2's 16 registers."""
+    return cpu_ops_available()
+
+
+def packed_gemm_tiles_avx512() -> bool:
+    """Whether its tiles are AVX-512's, where every rule but the AVX2 ones was measured."""
     return kernels_built_for_avx512()
 
 
