@@ -171,7 +171,7 @@ constexpr TileFn<A, O> kTiles[8 + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile
                                         tile<5>, tile<6>, tile<7>, tile<8>};
 
 // Rows [r0, r1) of x against panel p, in tiles of at most kTileRows rows of near
-// equal size (64 rows: eight of 8; 20 rows: 7, 7, 6). The last panel may hold
+// equal size (with AVX-512, 64 rows: eight of 8; 20 rows: 7, 7, 6). The last panel may hold
 // fewer than kPanel real columns (zeros after them): its tiles go through a buffer.
 template <typename A, typename O>
 void panel_rows(const A* x, int64_t K, const A* panel, NextPanel next, int64_t r0, int64_t r1, O* y,
