@@ -1,13 +1,13 @@
 // y = x W^T for any number of rows of x, on weights packed once into panels of
-// 48 output columns with AVX-512 (16 with AVX2): panel p holds W[48p : 48p + 48, :]
-// transposed, [K][48], front to back, in the weight's dtype (fp32, bf16 or fp16;
-// fp32 sums always). A tile of up to 8 rows of x (6 with AVX2) walks one panel
-// along K, its 8 x 48 sums in 24 AVX-512 registers (6 x 16 in 12 AVX2 ones); each
-// step loads the panel's row of vectors and broadcasts one value of each row
-// (outer products, no horizontal sums). A thread keeps a
-// panel in L2 while every row tile of a block of up to 256 rows passes over it,
-// and meanwhile asks for the next, so the weights stream from memory once a
-// block, in one sequential stream per thread, behind the arithmetic.
+// kPanel output columns, 48 with AVX-512 (16 with AVX2): panel p holds
+// W[kPanel p : kPanel (p + 1), :] transposed, [K][kPanel], front to back, in the
+// weight's dtype (fp32, bf16 or fp16; fp32 sums always). A tile of up to 8 rows
+// of x (6 with AVX2) walks one panel along K, its 8 x 48 sums in 24 AVX-512
+// registers (6 x 16 in 12 AVX2 ones); each step loads the panel's row of vectors
+// and broadcasts one value of each row (outer products, no horizontal sums). A
+// thread keeps a panel in L2 while every row tile of a block of up to 256 rows
+// passes over it, and meanwhile asks for the next, so the weights stream from
+// memory once a block, in one sequential stream per thread, behind the arithmetic.
 //
 // Why not oneDNN's prepacked product, as vLLM-CPU uses: on the decode steps'
 // shapes (tens of rows, N of 576-3072) it ran at 70-85% of an AMD EPYC's fp32

@@ -21,8 +21,7 @@ from services.worker.cpu_matmul.gemm import (FP16_GEMV_OVER_PACKED_GEMM_ROWS,
                                              GEMV_OVER_PACKED_GEMM_ROWS_ON_INTEL,
                                              BF16_GEMV_OVER_DOT_GEMM_ROWS,
                                              BF16_GEMV_OVER_DOT_GEMM_ROWS_FULL_WIDTH,
-                                             PackedGemmWeights, bf16_dot_gemm_available,
-                                             packed_gemm_available)
+                                             PackedGemmWeights, bf16_dot_gemm_available)
 from services.worker.cpu_matmul.gemm import fused_silu_and_mul
 from services.worker.cpu_matmul import gemv as gemv_module
 from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
@@ -348,8 +347,6 @@ def test_fp16_models_take_our_gemm_where_onednn_has_no_native_fp16(monkeypatch, 
     """torch's fp16 product ran 7-9x slower than our GEMM on the fp16 weights from 16 rows
     on (an AMD EPYC Zen 5), and our GEMV beat the GEMM up to 4 rows (bench/NOTES.md);
     where oneDNN computes fp16 natively it keeps the model (measured on an Intel Xeon)."""
-    if not packed_gemm_available():
-        pytest.skip("our packed GEMM needs the kernels built for AVX-512")
     monkeypatch.setattr(choose, "onednn_native", lambda dtype: native)
     if native:  # (oneDNN's fp16 pack needs that CPU: the rule alone)
         assert choose._choose(torch.float16, None)[1] == ONEDNN_PACKED_PATH
