@@ -38,6 +38,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("gemm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("gemm_silu_and_mul(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("stolen_items(int items, int stall_us) -> Tensor");
+  m.def("shared_tail_rows(int rows, int grain, int stall_us) -> Tensor");
   m.def("amx_bf16_available() -> bool");
   m.def("built_for_avx512() -> bool");
   m.def("gemm_bf16_dot_available() -> bool");
@@ -79,4 +80,5 @@ TORCH_LIBRARY_IMPL(llmserve, CompositeExplicitAutograd, m) {
   m.impl("gemm_panel_columns", &gemm_panel_columns);
   m.impl("built_for_avx512", &built_for_avx512);
   m.impl("stolen_items", &stolen_items);
+  m.impl("shared_tail_rows", &shared_tail_rows);
 }

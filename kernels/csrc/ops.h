@@ -31,6 +31,7 @@ at::Tensor gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t n);
 int64_t gemm_panel_columns();
 bool gemm_bf16_dot_available();
 at::Tensor stolen_items(int64_t items, int64_t stall_us);
+at::Tensor shared_tail_rows(int64_t rows, int64_t grain, int64_t stall_us);
 bool amx_bf16_available();
 at::Tensor llama_decode_layers(at::Tensor x, std::vector<at::Tensor> weights,
                                std::vector<at::Tensor> packed, std::vector<at::Tensor> caches,

@@ -1,6 +1,7 @@
-// parallel_for_stealing (work_stealing.h) as an operator, for its tests: which
-// thread ran each item (and how many times), with thread 0 stalled at the first
-// item it takes, as a thread that lost its core would be.
+// parallel_for_stealing and parallel_for_shared_tail (work_stealing.h) as
+// operators, for their tests: which thread ran each item (and how many times),
+// with thread 0 stalled at the first item it takes, as a thread that lost its
+// core would be.
 #include "work_stealing.h"
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +9,7 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -24,6 +26,24 @@ at::Tensor stolen_items(int64_t items, int64_t stall_us) {
       stalled = true;
       owner[item] = thread;
       __atomic_add_fetch(count + item, 1, __ATOMIC_RELAXED);
+    }
+  });
+  return at::stack({ran_by, times});
+}
+
+at::Tensor shared_tail_rows(int64_t rows, int64_t grain, int64_t stall_us) {
+  auto ran_by = at::full({rows}, -1, at::kLong);
+  auto times = at::zeros({rows}, at::kLong);
+  int64_t* owner = ran_by.data_ptr<int64_t>();
+  int64_t* count = times.data_ptr<int64_t>();
+  std::atomic<bool> stalled{false};
+  llmserve::parallel_for_shared_tail(rows, grain, [&](int64_t begin, int64_t end) {
+    const int64_t thread = at::get_thread_num();
+    if (thread == 0 && !stalled.exchange(true))
+      std::this_thread::sleep_for(std::chrono::microseconds(stall_us));
+    for (int64_t row = begin; row < end; ++row) {
+      owner[row] = thread;
+      __atomic_add_fetch(count + row, 1, __ATOMIC_RELAXED);
     }
   });
   return at::stack({ran_by, times});

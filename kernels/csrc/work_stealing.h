@@ -1,9 +1,13 @@
-// Items split among the threads as at::parallel_for splits them (each thread one
-// contiguous range, so each streams its own weights front to back), but a thread
-// that finishes its range takes items from the back of another's. On two cores
-// the engine core, the frontend and the clients take turns on the worker's
-// threads: with a static split the thread that kept its core then waits at the
-// end of every kernel for the one that lost it (bench/NOTES.md).
+// How kernels share items out among at::parallel_for's threads. Each thread
+// starts on one contiguous range, as at::parallel_for splits them, so each
+// streams its own weights front to back; then
+// - parallel_for_stealing: a thread that finishes its range takes items from
+//   the back of another's. On two cores the engine core, the frontend and the
+//   clients take turns on the worker's threads: with a static split the thread
+//   that kept its core then waits at the end of every kernel for the one that
+//   lost it (bench/NOTES.md);
+// - parallel_for_shared_tail: the last rows are not in any range, and go out in
+//   order to whichever thread is free (for short calls; below).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -63,6 +67,32 @@ void parallel_for_stealing(int64_t items, const Body& body) {
         return -1;
       };
       body(next);
+    }
+  });
+}
+
+// Rows [0, rows) on at::parallel_for's threads, `grain` rows at a time at the end:
+// each thread streams its static share of the first rows front to back, then
+// the last 1/kSharedTail of them go out in order, a grain to whichever thread is
+// free. body(begin, end) runs each range. For kernels whose calls last tens of
+// microseconds, as a decode step's GEMVs do: under a static split the thread
+// that got less of the memory's bandwidth in a call made the other wait at the
+// join every call, ~1 ms of a one-stream step on an AVX2 EPYC; stealing from the
+// back of a range contended at every grain (bench/NOTES.md). Only the tail's
+// grains share a counter, and they are taken front to back, as one stream.
+constexpr int64_t kSharedTail = 8;
+
+template <typename Body>
+void parallel_for_shared_tail(int64_t rows, int64_t grain, const Body& body) {
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / grain));
+  const int64_t head = threads > 1 ? rows - rows / kSharedTail : rows;
+  std::atomic<int64_t> next{head};
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      body(head * t / threads, head * (t + 1) / threads);
+      for (int64_t first; (first = next.fetch_add(grain, std::memory_order_relaxed)) < rows;)
+        body(first, std::min(rows, first + grain));
     }
   });
 }

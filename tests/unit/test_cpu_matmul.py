@@ -46,10 +46,11 @@ def kernels_built():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [576, 80, 1536])
-def test_gemv_sums_in_fp32(rows, weight_dtype, k):
+@pytest.mark.parametrize("n", [291, 5])  # a tail of 36 rows (4.5 grains); less than a grain
+def test_gemv_sums_in_fp32(rows, weight_dtype, k, n):
     gen = torch.Generator().manual_seed(rows * k)
     x = torch.randn(rows, k, generator=gen)
-    weight = (torch.randn(291, k, generator=gen) * 0.05).to(weight_dtype)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(weight_dtype)
     got = torch.ops.llmserve.gemv(x, weight)
     want = F.linear(x.double(), weight.double()).float()  # the exact sums of the same values
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -547,3 +548,18 @@ def test_work_stealing_runs_every_item_once_and_others_take_a_stalled_threads_sh
     assert set(ran_by.tolist()) <= set(range(threads))
     if threads > 1:
         assert (ran_by == 0).sum() <= 1, ran_by
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 291, 576, 3072])
+def test_shared_tail_runs_static_shares_then_gives_a_stalled_threads_tail_away(rows):
+    """Our GEMV shares out its weight rows this way (work_stealing.h
+    parallel_for_shared_tail, grains of 8): each thread runs its static share of the
+    first 7/8 of the rows; thread 0 stalls at its first range, and the others take
+    every row of the tail."""
+    threads = max(1, min(torch.get_num_threads(), rows // 8))
+    ran_by, times = torch.ops.llmserve.shared_tail_rows(rows, 8, 200_000 if threads > 1 else 0)
+    assert times.tolist() == [1] * rows
+    head = rows - rows // 8 if threads > 1 else rows
+    for t in range(threads):
+        assert set(ran_by[head * t // threads:head * (t + 1) // threads].tolist()) == {t}
+    assert 0 not in ran_by[head:].tolist()
