@@ -71,7 +71,7 @@ inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int6
 template <typename w_t, int M>
 void gemv_impl(const float* x, const w_t* w, int64_t N, int64_t K, float* out) {
   // A static share of the weight rows a thread, then the last rows 8 at a time
-  // (work_stealing.h): a call of a one-stream step lasts ~50-250 us.
+  // (work_stealing.h): a call of a one-stream step is short.
   llmserve::parallel_for_shared_tail(N, 8, [&](int64_t begin, int64_t end) {
     llmserve::FlushDenormals flush;
     for (int64_t n = begin; n < end; ++n) dot_row<w_t, M>(x, K, w + n * K, out + n, N);

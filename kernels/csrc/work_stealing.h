@@ -74,12 +74,12 @@ void parallel_for_stealing(int64_t items, const Body& body) {
 // Rows [0, rows) on at::parallel_for's threads, `grain` rows at a time at the end:
 // each thread streams its static share of the first rows front to back, then
 // the last 1/kSharedTail of them go out in order, a grain to whichever thread is
-// free. body(begin, end) runs each range. For kernels whose calls last tens of
-// microseconds, as a decode step's GEMVs do: under a static split the thread
-// that got less of the memory's bandwidth in a call made the other wait at the
-// join every call, ~1 ms of a one-stream step on an AVX2 EPYC; stealing from the
-// back of a range contended at every grain (bench/NOTES.md). Only the tail's
-// grains share a counter, and they are taken front to back, as one stream.
+// free. body(begin, end) runs each range. For kernels whose calls are short, as
+// a decode step's GEMVs are: under a static split the thread that got less of
+// the memory's bandwidth in a call made the other wait at the join every call,
+// while over a long call the shares even out; stealing from the back of a range
+// contended at every grain (bench/NOTES.md). Only the tail's grains share a
+// counter, and they are taken front to back, as one stream.
 constexpr int64_t kSharedTail = 8;
 
 template <typename Body>
