@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "ops.h"
 #include "vector_math.h"
 #include "work_stealing.h"
 
@@ -21,10 +22,11 @@ using llmserve::load16;
 using llmserve::vf16;
 
 constexpr int kMaxRows = 8;
-// How far ahead of its loads a thread asks for its weights, into L2: with the
-// hardware prefetchers alone a pass over the weights read them well below the
-// rate a copy reaches, 16-bit ones most (bench/NOTES.md). Near the end of a
-// thread's rows the requests run into the next thread's, read anyway.
+// How far ahead of its loads a thread asks for its weights, into L2, where it
+// asks at all (gemv_prefetches). On an Intel Xeon, with the hardware
+// prefetchers alone a pass over the weights read them well below the rate a
+// copy reaches, 16-bit ones most (bench/NOTES.md). Near the end of a thread's
+// rows the requests run into the next thread's, read anyway.
 constexpr int kPrefetchBytes = 16384;
 
 // Independent sums per row along K for M rows: two vf16 where the registers hold
@@ -45,13 +47,15 @@ constexpr int kRowsPerPass = llmserve::kVectorRegisters == 32 ? 8 : 6;
 // (bench/NOTES.md, "GEMV: two sums"); the loads, not the adds, set the pace.
 // With AVX2, two (four registers) beat one by 5-8% at one and two rows.
 template <typename w_t, int M>
-inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N) {
+inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int64_t N,
+                    bool prefetch) {
   constexpr int S = sums_per_row<M>();
   vf16 acc[M][S] = {};
   int64_t k = 0;
   for (; k + 16 * S <= K; k += 16 * S) {
     const char* ahead = reinterpret_cast<const char*>(wrow + k) + kPrefetchBytes;
-    for (int b = 0; b < int(16 * S * sizeof(w_t)); b += 64) __builtin_prefetch(ahead + b, 0, 2);
+    if (prefetch)
+      for (int b = 0; b < int(16 * S * sizeof(w_t)); b += 64) __builtin_prefetch(ahead + b, 0, 2);
     vf16 w[S];
     for (int s = 0; s < S; ++s) w[s] = load16(wrow + k + 16 * s);
     for (int m = 0; m < M; ++m)
@@ -70,11 +74,12 @@ inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int6
 
 template <typename w_t, int M>
 void gemv_impl(const float* x, const w_t* w, int64_t N, int64_t K, float* out) {
+  const bool prefetch = gemv_prefetches(c10::CppTypeToScalarType<w_t>::value);
   // A static share of the weight rows a thread, then the last rows 8 at a time
   // (work_stealing.h): a call of a one-stream step is short.
   llmserve::parallel_for_shared_tail(N, 8, [&](int64_t begin, int64_t end) {
     llmserve::FlushDenormals flush;
-    for (int64_t n = begin; n < end; ++n) dot_row<w_t, M>(x, K, w + n * K, out + n, N);
+    for (int64_t n = begin; n < end; ++n) dot_row<w_t, M>(x, K, w + n * K, out + n, N, prefetch);
   });
 }
 
@@ -99,6 +104,16 @@ void gemv_rows(const float* x, int64_t M, const w_t* w, int64_t N, int64_t K, fl
 }
 
 }  // namespace
+
+// Whether the GEMV asks for weights of this dtype ahead of its loads: on Intel,
+// and 16-bit ones everywhere. AMD treats the hints alike, into L1
+// (paged_attention.h); on Zen 3 fp32 weights streamed faster with the hardware
+// prefetchers alone, bf16 ones faster asked for, and fp16 ones tied
+// (bench/NOTES.md).
+bool gemv_prefetches(at::ScalarType weight_dtype) {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel || weight_dtype != at::kFloat;
+}
 
 // x [M, K] (fp32, bf16 or fp16), weight [N, K] fp32/bf16/fp16, K a multiple of
 // 16, M <= 8 -> [M, N] in x's dtype. A 16-bit x is widened into scratch and the
