@@ -53,9 +53,10 @@ inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int6
   vf16 acc[M][S] = {};
   int64_t k = 0;
   for (; k + 16 * S <= K; k += 16 * S) {
-    const char* ahead = reinterpret_cast<const char*>(wrow + k) + kPrefetchBytes;
-    if (prefetch)
+    if (prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(wrow + k) + kPrefetchBytes;
       for (int b = 0; b < int(16 * S * sizeof(w_t)); b += 64) __builtin_prefetch(ahead + b, 0, 2);
+    }
     vf16 w[S];
     for (int s = 0; s < S; ++s) w[s] = load16(wrow + k + 16 * s);
     for (int m = 0; m < M; ++m)
