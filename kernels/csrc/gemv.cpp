@@ -112,8 +112,7 @@ void gemv_rows(const float* x, int64_t M, const w_t* w, int64_t N, int64_t K, fl
 // prefetchers alone, bf16 ones faster asked for, and fp16 ones tied
 // (bench/NOTES.md).
 bool gemv_prefetches(at::ScalarType weight_dtype) {
-  static const bool intel = __builtin_cpu_is("intel");
-  return intel || weight_dtype != at::kFloat;
+  return llmserve::cpu_is_intel() || weight_dtype != at::kFloat;
 }
 
 // x [M, K] (fp32, bf16 or fp16), weight [N, K] fp32/bf16/fp16, K a multiple of

@@ -178,8 +178,7 @@ constexpr int64_t kPrefetchAhead = 4;
 
 template <typename scalar_t>
 inline bool prefetches_blocks() {
-  static const bool intel = __builtin_cpu_is("intel");
-  return intel && sizeof(scalar_t) == 4;
+  return llmserve::cpu_is_intel() && sizeof(scalar_t) == 4;
 }
 
 template <typename scalar_t>

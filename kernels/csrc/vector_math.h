@@ -15,6 +15,14 @@
 
 namespace llmserve {
 
+// Whether this is an Intel CPU: AMD takes the prefetch hints alike, into L1, so
+// kernels that ask for their data ahead decide by vendor (paged_attention.h,
+// gemv.cpp), as the worker's Python does (cpu_info.cpu_is_intel).
+inline bool cpu_is_intel() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 // Flush-to-zero and denormals-are-zero for a kernel's duration, on the thread
 // that runs it: an operation on a denormal (masked-off lanes can hold stale
 // ones) costs a microcode assist of ~100 cycles, which made SiLU 9x slower.
