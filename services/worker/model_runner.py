@@ -225,10 +225,12 @@ class ModelRunner:
         wanted = []
         for i, (request_id, row) in enumerate(zip(step.request_ids, step.rows)):
             k = batch.states[row].sampling_params.prompt_logprobs
+            if k is None:
+                continue
             start = step.starts[i]
             end = min(start + step.query_start_loc[i + 1] - step.query_start_loc[i],
                       batch.num_prompt_tokens[row] - 1)
-            if k is not None and end > start:
+            if end > start:
                 wanted.append((request_id, row, k, start, end, step.query_start_loc[i]))
         if not wanted:
             return {}

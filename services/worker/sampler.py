@@ -42,6 +42,13 @@ class SamplingMetadata:
     output_token_counts: torch.Tensor | None = None  # [B, V]: times generated
     # How many top logprobs each row wants; -1 = none.
     num_logprobs: list[int] | None = None
+    # Whether every row is greedy; None: from temperature, once. Asked twice a step:
+    # a torch op there cost ~0.1 ms, its code cold after the forward's weights.
+    all_greedy: bool | None = None
+
+    def __post_init__(self):
+        if self.all_greedy is None:
+            self.all_greedy = bool((self.temperature == 0).all())
 
     def to(self, device: torch.device) -> "SamplingMetadata":
         """The same parameters with every tensor on `device` (the logits'): they
@@ -56,10 +63,6 @@ class SamplingMetadata:
             return value
         return dataclasses.replace(self, **{f.name: move(getattr(self, f.name))
                                             for f in dataclasses.fields(self)})
-
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
 
     @property
     def argmax_only(self) -> bool:

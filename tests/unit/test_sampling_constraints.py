@@ -76,3 +76,44 @@ def test_bad_words_ban_the_last_token_after_their_prefix(output, banned):
     for token in banned:
         logits[0, token] = 10.0  # each banned token would otherwise win
     assert int(sample(batch, logits)[0, 0]) not in banned
+
+
+def test_the_metadata_is_kept_while_the_rows_stay_and_rebuilt_when_one_joins_or_leaves():
+    batch = batch_of((SamplingParams(temperature=0.0), [1], []))
+    rows = np.arange(1)
+    first = build_sampling_metadata(batch, rows, V)
+    assert first.all_greedy and build_sampling_metadata(batch, rows, V) is first
+    batch.append_tokens(rows, np.array([3]))  # a step's token: nothing in it changes
+    assert build_sampling_metadata(batch, rows, V) is first
+    params = SamplingParams(temperature=0.8, top_k=4)
+    batch.add(NewRequestData("r1", [2], params, [1], 0, num_prompt_tokens=1),
+              RequestState("r1", params, eos_token_ids=[], generator=None))
+    both = build_sampling_metadata(batch, np.arange(2), V)
+    assert not both.all_greedy and both.top_k.tolist() == [0, 4]
+    batch.remove("r1")
+    alone = build_sampling_metadata(batch, rows, V)
+    assert alone is not first and alone.all_greedy  # r1's row may come back as another
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, min_tokens=2),
+    SamplingParams(temperature=0.0, bad_words_token_ids=[[5, 6]]),
+    SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    SamplingParams(temperature=1.0, seed=7),
+])
+def test_metadata_that_follows_the_tokens_is_built_every_step(params):
+    batch = batch_of((params, [5], []))
+    rows = np.arange(1)
+    first = build_sampling_metadata(batch, rows, V)
+    assert build_sampling_metadata(batch, rows, V) is not first
+
+
+def test_min_tokens_bans_eos_until_reached_and_then_no_longer():
+    params = SamplingParams(temperature=0.0, min_tokens=1)
+    batch = InputBatch(max_model_len=64, block_size=16, device=torch.device("cpu"))
+    batch.add(NewRequestData("r0", [1], params, [0], 0, num_prompt_tokens=1),
+              RequestState("r0", params, eos_token_ids=[2], generator=None))
+    rows = np.arange(1)
+    assert build_sampling_metadata(batch, rows, V).banned_token_ids == [(0, [2])]
+    batch.append_tokens(rows, np.array([3]))
+    assert build_sampling_metadata(batch, rows, V).banned_token_ids == []
