@@ -240,6 +240,7 @@ def _token_layout(rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
                   max_query_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Query start locations [B + 1], and each token's position and row."""
     if max_query_len == 1:  # decodes only: a token a request, at the row's end
+        # The arrays themselves, not copies: nothing writes a step's inputs.
         return np.arange(len(rows) + 1), starts, rows
     query_start_loc = np.concatenate(([0], np.cumsum(num_new)))
     # Per token: its request's index in the batch, then its position.
