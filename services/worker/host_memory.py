@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -74,7 +75,11 @@ class HugePageArena:
 
     @staticmethod
     def bytes_for(tensors: list[torch.Tensor]) -> int:
-        return sum(_aligned(t.nbytes) for t in tensors)
+        return HugePageArena.bytes_for_sizes(t.nbytes for t in tensors)
+
+    @staticmethod
+    def bytes_for_sizes(sizes: Iterable[int]) -> int:
+        return sum(_aligned(nbytes) for nbytes in sizes)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next tensor of this shape and dtype, as the mapping holds it (zeros
@@ -101,19 +106,6 @@ def huge_pages_available() -> bool:
     return True
 
 
-def onto_huge_pages(holders: list, attr: str) -> int:
-    """Moves each holder's tensor `attr` into one HugePageArena, one at a time, so
-    the old copy of each is freed as the next moves; returns the bytes moved, 0
-    where huge pages are not available."""
-    if not holders or not huge_pages_available():
-        return 0
-    nbytes = HugePageArena.bytes_for([getattr(holder, attr) for holder in holders])
-    arena = HugePageArena(nbytes)
-    for holder in holders:
-        setattr(holder, attr, arena.copy_of(getattr(holder, attr)))
-    return nbytes
-
-
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed tensor on a huge-page mapping of its own, or torch.zeros where huge
     pages are not available. For the KV cache: a decode step reads each sequence's
@@ -127,7 +119,17 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return arena.take(tuple(shape), dtype).zero_()
 
 
-def weights_on_huge_pages(module: nn.Module) -> int:
-    """Moves the module's CPU parameters (tied ones once) onto huge pages
-    (onto_huge_pages); returns the bytes moved."""
-    return onto_huge_pages([p for p in module.parameters() if p.device.type == "cpu"], "data")
+def storage_on_huge_pages(module: nn.Module) -> int:
+    """Gives the module's CPU parameters (tied ones once) new storage in one
+    HugePageArena, for a checkpoint to fill: their values are not kept (load_model
+    calls this before loading; a copy of storage never written would only read the
+    kernel's zero page in, 4 KB at a time). Returns the bytes, 0 where huge pages
+    are not available."""
+    params = [p for p in module.parameters() if p.device.type == "cpu"]
+    if not params or not huge_pages_available():
+        return 0
+    nbytes = HugePageArena.bytes_for(params)
+    arena = HugePageArena(nbytes)
+    for param in params:
+        param.data = arena.take(tuple(param.shape), param.dtype)
+    return nbytes

@@ -15,6 +15,7 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from services.common.model_store import find_gguf
 from services.worker.cpu_info import cpu_flags
+from services.worker.host_memory import storage_on_huge_pages
 from services.worker.parallel import SINGLE, TensorParallel
 from services.worker.pipeline import SINGLE_STAGE, PipelineStage
 from services.worker.models import model_class_for
@@ -213,6 +214,20 @@ def build_model(config: PreTrainedConfig, dtype: torch.dtype, max_positions: int
         torch.set_default_dtype(default_dtype)
 
 
+def _build_on_huge_pages(config: PreTrainedConfig, dtype: torch.dtype, max_positions: int,
+                         device: torch.device, tp: TensorParallel, backend,
+                         stage_for: StageFor) -> torch.nn.Module:
+    """build_model, its CPU parameters then given storage on huge pages (a decode
+    step streams them all) for the checkpoint to be loaded into; load_weights fills
+    every parameter or raises. The storage they were built with is never written:
+    moved after the load, every weight was written twice, and the first copies'
+    memory stayed in the heap (bench/NOTES.md)."""
+    net = build_model(config, dtype, max_positions, device, tp, backend, stage_for)
+    if device.type == "cpu" and not storage_on_huge_pages(net):
+        logger.info("no transparent huge pages here: the weights stay on 4 KB pages")
+    return net
+
+
 def load_model(model: str, dtype: torch.dtype, max_positions: int, device: torch.device,
                tp: TensorParallel = SINGLE, backend=None,
                stage_for: StageFor = lambda num_layers: SINGLE_STAGE) -> torch.nn.Module:
@@ -222,14 +237,14 @@ def load_model(model: str, dtype: torch.dtype, max_positions: int, device: torch
     gguf_path = find_gguf(model)
     if gguf_path is None:
         config = AutoConfig.from_pretrained(model)
-        net = build_model(config, dtype, max_positions, device, tp, backend, stage_for)
+        net = _build_on_huge_pages(config, dtype, max_positions, device, tp, backend, stage_for)
         net.load_weights(iterate_safetensors(model, net.wants))
     else:
         from gguf import GGUFReader
 
         reader = GGUFReader(gguf_path)
         config = gguf_config(gguf_path, reader)
-        net = build_model(config, dtype, max_positions, device, tp, backend, stage_for)
+        net = _build_on_huge_pages(config, dtype, max_positions, device, tp, backend, stage_for)
         net.load_weights(iterate_gguf(reader, config, net.wants))
     logger.info("loaded %s from %s (%s, %s)", type(net).__name__, gguf_path or model, dtype, device)
     return net.eval()

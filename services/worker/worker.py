@@ -13,7 +13,7 @@ from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from services.worker.attention import make_attention_backend
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.host_memory import keep_freed_host_memory, weights_on_huge_pages
+from services.worker.host_memory import keep_freed_host_memory
 from services.worker.lora.manager import LoRAManager
 from services.worker.cpu_matmul import prepare_cpu_linears
 from services.worker.linear import linear_layers
@@ -223,11 +223,9 @@ class Worker:
 
 
 def _prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, weight_dtype) -> str:
-    """A loaded model made ready for the CPU: its weights moved onto huge pages (a
-    decode step streams them all), then each linear layer's strategy built from
-    them; returns the name of the linears' path."""
-    if not weights_on_huge_pages(model):
-        logger.info("no transparent huge pages here: the weights stay on 4 KB pages")
+    """A loaded model made ready for the CPU: each linear layer's strategy built from
+    its weights (which load_model put on huge pages); returns the name of the
+    linears' path."""
     return prepare_cpu_linears(linear_layers(model), dtype, weight_dtype)
 
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
-from services.worker.cpu_matmul.gemm import PackedGemmWeights, packed_weights_on_huge_pages
+from services.worker.cpu_matmul.gemm import PackedGemmWeights, pack_arena, pack_onto
 from services.worker.host_memory import (HUGE_PAGE, HugePageArena, huge_pages_available,
-                                         weights_on_huge_pages, zeros_on_huge_pages)
+                                         storage_on_huge_pages, zeros_on_huge_pages)
 
 # A fresh interpreter per case: mallopt's settings last for the process. The
 # blocks come from glibc's malloc, as torch's CPU tensors do; their sizes are a
@@ -81,37 +81,45 @@ def mapping_of(address: int) -> tuple[int, set[str]]:
 
 
 @pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")
-def test_weights_move_onto_one_huge_page_mapping_unchanged():
+def test_parameters_take_storage_on_one_huge_page_mapping_for_a_checkpoint():
+    """load_model's move, before it loads the checkpoint: storage only, nothing
+    copied; tied parameters stay one."""
     model = nn.ModuleDict({"embed": nn.Embedding(1000, 64), "proj": nn.Linear(64, 96),
                            "head": nn.Linear(64, 1000, bias=False)})
     model["head"].weight = model["embed"].weight  # tied, as SmolLM2's head is
-    before = {name: t.clone() for name, t in model.state_dict().items()}
     params = list(model.parameters())
-    assert weights_on_huge_pages(model) == sum(-(-p.nbytes // 64) * 64 for p in params)
-    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert storage_on_huge_pages(model) == sum(-(-p.nbytes // 64) * 64 for p in params)
     assert model["head"].weight is model["embed"].weight
-    assert all(isinstance(p, nn.Parameter) and p.data_ptr() % 64 == 0 for p in params)
+    assert all(isinstance(p, nn.Parameter) and p.data_ptr() % 64 == 0 and not p.any()
+               for p in params)
     starts = sorted(p.data_ptr() for p in params)
     assert starts[0] % HUGE_PAGE == 0
     mappings = {mapping_of(start)[0] for start in starts}
     assert len(mappings) == 1 and "hg" in mapping_of(starts[0])[1]
+    with torch.no_grad():
+        model["proj"].weight.copy_(torch.ones(96, 64))  # a checkpoint's load
     assert model["proj"](model["embed"](torch.tensor([1, 2]))).shape == (2, 96)
+    assert model["proj"].weight.sum() == 96 * 64
 
 
 @pytest.mark.skipif(not huge_pages_available() or not cpu_ops_available(),
                     reason="Linux with transparent huge pages and the CPU kernels only")
 def test_packed_gemm_weights_move_onto_one_huge_page_mapping_unchanged():
-    """The fp32 path's packed copies, which every step above one row streams."""
-    weights = [torch.randn(96, 32), torch.randn(50, 16)]
+    """The fp32 path's packed copies, which every step above one row streams: each
+    moved as it is made (prepare_cpu_linears), into room made for all of them."""
+    weights = [torch.randn(96, 32), torch.randn(50, 16), torch.randn(7, 48)]
+    arena = pack_arena(weights)
     strategies = [PackedGemmWeights(w) for w in weights]
     x = [torch.randn(5, w.shape[1]) for w in weights]
     before = [s(xi) for s, xi in zip(strategies, x)]
-    nbytes = sum(-(-s.packed.nbytes // 64) * 64 for s in strategies)
-    assert packed_weights_on_huge_pages([*strategies, nn.Identity()]) == nbytes
+    for strategy in [*strategies, nn.Identity()]:
+        pack_onto(arena, strategy)
     assert all(torch.equal(s(xi), want) for s, xi, want in zip(strategies, x, before))
     starts = [s.packed.data_ptr() for s in strategies]
     assert len({mapping_of(start)[0] for start in starts}) == 1
     assert "hg" in mapping_of(starts[0])[1]
+    with pytest.raises(ValueError, match="cannot hold"):  # the room was all taken
+        arena.take((1024,), torch.float32)
 
 
 @pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")

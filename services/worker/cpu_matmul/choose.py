@@ -40,7 +40,7 @@ from services.worker.cpu_matmul.gemm import (BF16_GEMV_OVER_DOT_GEMM_ROWS,
                                              SIXTEEN_BIT_GEMV_OVER_PACKED_GEMM_ROWS_FULL_WIDTH,
                                              PackedGemmWeights, bf16_dot_gemm_available,
                                              packed_gemm_available, packed_gemm_tiles_avx512,
-                                             packed_weights_on_huge_pages)
+                                             pack_arena, pack_onto)
 from services.worker.cpu_matmul.gemv import (BF16_GEMV_OVER_ONEDNN_ROWS_FULL_WIDTH,
                                              GEMV_OVER_FP32_ROWS, GEMV_OVER_ONEDNN_ROWS,
                                              GemvForFewRows, gemv_rows, with_gemv)
@@ -67,9 +67,14 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
     if make is None:
         return path
     layers = list(layers)
+    # Each pack moves onto huge pages as soon as it is made, so that the next pack
+    # takes the heap memory it leaves: made all before any moved, every pack was
+    # alive at once, and each weight's pages were first touched twice
+    # (bench/NOTES.md).
+    arena = pack_arena([layer.weight for layer in layers])
     for layer in layers:
         layer.cpu_weights = make(layer.weight)
-    packed_weights_on_huge_pages([_many(layer.cpu_weights) for layer in layers])
+        pack_onto(arena, _many(layer.cpu_weights))
     # The name says what was built: with_gemv decides per layer.
     on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
     if path in (ONEDNN_PACKED_PATH, MKL_PACKED_PATH, PACKED_GEMM_PATH, AMX_PATH) and any(on_gemv):

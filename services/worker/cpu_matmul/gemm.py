@@ -17,7 +17,7 @@ import torch
 
 from kernels.cpu_build import cpu_ops_available, kernels_built_for_avx512
 from services.worker.cpu_matmul.gemv import GEMV_MAX_ROWS, GemvForFewRows
-from services.worker.host_memory import onto_huge_pages
+from services.worker.host_memory import HugePageArena, huge_pages_available
 
 # Up to this many rows our GEMV on the fp32 weights keeps up with the packed
 # GEMM: on an AMD EPYC Zen 4 one row tied and at two the GEMM was 11% faster, on a
@@ -98,8 +98,21 @@ def bf16_dot_gemm_available() -> bool:
     return packed_gemm_available() and bool(torch.ops.llmserve.gemm_bf16_dot_available())
 
 
-def packed_weights_on_huge_pages(strategies: list) -> int:
-    """Moves the packed weights of the PackedGemmWeights among `strategies` into one
-    HugePageArena, as the worker does with the parameters: the panels stream with
-    fewer TLB misses (bench/NOTES.md). Returns the bytes moved."""
-    return onto_huge_pages([s for s in strategies if isinstance(s, PackedGemmWeights)], "packed")
+def pack_arena(weights: list[torch.Tensor]) -> HugePageArena | None:
+    """One HugePageArena with room for our GEMM's pack of each [N, K] weight (its
+    rows padded to whole panels, at most fp32's 4 bytes an element: room left unused
+    is address space, not memory), or None where huge pages or the kernel are not
+    available."""
+    if not weights or not packed_gemm_available() or not huge_pages_available():
+        return None
+    panel = torch.ops.llmserve.gemm_panel_columns()
+    return HugePageArena(HugePageArena.bytes_for_sizes(
+        -(-w.shape[0] // panel) * panel * w.shape[1] * 4 for w in weights))
+
+
+def pack_onto(arena: HugePageArena | None, strategy) -> None:
+    """Moves a PackedGemmWeights' pack into `arena`, as the worker does with the
+    parameters: the panels stream with fewer TLB misses (bench/NOTES.md). Other
+    strategies, or no arena, stay as they are."""
+    if arena is not None and isinstance(strategy, PackedGemmWeights):
+        strategy.packed = arena.copy_of(strategy.packed)
