@@ -64,7 +64,7 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float, log: P
 def vllm_server(env: VllmEnv, s: Settings, model_dir: str, log: Path) -> Iterator[str]:
     """vLLM's server on a free port, healthy; yields its base URL. Its process group
     (API server and engine core) is stopped on the way out."""
-    from llmserve.launcher import free_port
+    from services.common.ports import free_port
 
     port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="llmserve-bench-vllm-") as tmp, log.open("w") as out:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,16 +14,9 @@ from services.common.auth import API_KEY_ENV
 from services.common.config import EngineConfig
 from services.common.config_cli import engine_args_to_argv
 from services.common.launcher_link import LAUNCHER_PID_ENV
-from services.common.ports import port_to_argv
+from services.common.ports import free_port, port_to_argv
 from services.common.tls import TlsConfig, tls_to_argv
 from services.worker.cpu_cores import format_cores, split_cores
-
-
-def free_port(host: str) -> int:
-    """A port nothing listens on now (the HTTP server binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

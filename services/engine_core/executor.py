@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
-import socket
 from typing import Callable
 
 import grpc
@@ -12,6 +11,7 @@ from services.common import convert
 from services.common.config import EngineConfig
 from services.common.errors import from_rpc_error
 from services.common.futures import run_into_future
+from services.common.ports import free_port
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -118,9 +118,7 @@ def default_init_method(rank0_address: str) -> str:
     """tcp://<rank 0's host>:<a port free here>: right when the workers run on this
     host (llmserve serve); elsewhere pass --distributed-init-method."""
     host = rank0_address.rsplit(":", 1)[0]
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
+    return f"tcp://{host}:{free_port('')}"
 
 
 class GrpcExecutor(Executor):

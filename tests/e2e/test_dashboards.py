@@ -13,7 +13,7 @@ import requests
 import yaml
 
 from llmserve.client import Client
-from llmserve.launcher import free_port
+from services.common.ports import free_port
 from tests.e2e.conftest import address
 from tests.e2e.test_observability import scrape
 
