@@ -1,7 +1,8 @@
 """One convention for every port flag: a port number, where 0 asks the
 operating system for a free port (the service logs the port it got; --port-file
 records the gRPC one), or `off` for a server that may be left out (HTTP API,
-metrics, the plaintext health port)."""
+metrics, the plaintext health port). And free_port: the port a launcher picks for
+a server it starts, which binds it later."""
 from __future__ import annotations
 
 import argparse

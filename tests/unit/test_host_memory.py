@@ -1,6 +1,6 @@
 """The worker's host memory (services/worker/host_memory.py): a layer's
 activations, freed and taken again by the next layer, fault no page in twice;
-the weights, and our GEMM's packed copies, sit on one mapping advised for
+the weights, and our GEMM's packed copies, each sit on one mapping advised for
 transparent huge pages."""
 import ctypes
 import subprocess

@@ -1,5 +1,5 @@
 """One convention for every port flag: a number, 0 for a free port, `off` for a
-server that may be left out."""
+server that may be left out; and the ports a launcher picks for its services."""
 import argparse
 import socket
 
