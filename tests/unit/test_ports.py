@@ -48,11 +48,14 @@ def test_picked_ports_are_free_distinct_and_below_outgoing_connections_ports(mon
     for port in picked[:20]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free
+    # Two ports of the range this process has not picked: one held, one free.
+    held, free = [port for port in range(ports.PICKED_PORTS_FROM, low)
+                  if port not in picked and ports._binds("127.0.0.1", port)][:2]
     with socket.socket() as taken:  # a port something holds is passed over
-        taken.bind(("127.0.0.1", picked[-1] + 1))
-        tries = iter([picked[0], picked[-1] + 1, picked[-1] + 2])
+        taken.bind(("127.0.0.1", held))
+        tries = iter([picked[0], held, free])
         monkeypatch.setattr(ports.random, "randrange", lambda lo, hi: next(tries))
-        assert free_port("127.0.0.1") == picked[-1] + 2
+        assert free_port("127.0.0.1") == free
 
 
 def test_without_room_below_the_range_the_kernel_picks(monkeypatch):
