@@ -18,12 +18,17 @@ on 4 KB pages the walk through the page tables (two levels of them in a virtual
 machine) slows the reads; malloc and torch ask for huge pages only where the
 kernel applies them to every mapping, or torch's THP_MEM_ALLOC_ENABLE is set
 before its first large allocation.
+
+Faulting those pages in is most of a worker's load on a machine whose memory
+is slow to hand out: an arena can ask for its pages in a thread of its own
+while the loader does other work (MADV_POPULATE_WRITE, bench/NOTES.md).
 """
 from __future__ import annotations
 
 import ctypes
 import math
 import mmap
+import threading
 from typing import Iterable
 
 import torch
@@ -57,6 +62,14 @@ HUGE_PAGE = 2 << 20
 TENSOR_ALIGNMENT = 64
 
 
+# madvise's advice (Linux 5.14): fault the range in writable as a write would,
+# leaving what is written there as it is. Python's mmap module names it from 3.13.
+MADV_POPULATE_WRITE = 23
+# Each madvise call's part of a populated range: the thread goes back to front
+# in these, so that a loader writing from the front meets it halfway.
+POPULATE_CHUNK = 32 << 20
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
@@ -64,14 +77,25 @@ def _aligned(nbytes: int) -> int:
 class HugePageArena:
     """One private anonymous mapping, advised for transparent huge pages and
     aligned to them, handed out front to back as tensors. The mapping
-    lives as long as any tensor cut from it."""
+    lives as long as any tensor cut from it.
 
-    def __init__(self, nbytes: int):
+    populate: fault its pages in from a thread of its own, started here (see
+    populate_in_background); what is cut and written meanwhile is kept."""
+
+    def __init__(self, nbytes: int, populate: bool = False):
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         region.madvise(mmap.MADV_HUGEPAGE)
+        self._region = region
         self._bytes = torch.frombuffer(region, dtype=torch.uint8)
         self._offset = (-self._bytes.data_ptr()) % HUGE_PAGE
         self._end = self._offset + nbytes
+        self.populating = (populate_in_background(region, self._bytes.data_ptr() + self._offset,
+                                                  nbytes) if populate else None)
+
+    @property
+    def room(self) -> int:
+        """Bytes not handed out yet."""
+        return self._end - self._offset
 
     @staticmethod
     def bytes_for(tensors: list[torch.Tensor]) -> int:
@@ -93,6 +117,35 @@ class HugePageArena:
 
     def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.take(tuple(tensor.shape), tensor.dtype).copy_(tensor)
+
+    def release_room(self) -> None:
+        """Gives the whole pages of the room not handed out back to the kernel (once
+        populated): an arena made ahead may be larger than what it was made for."""
+        if self.populating is not None:
+            self.populating.join()
+        page = mmap.PAGESIZE
+        start = -(-self._offset // page) * page
+        if start < self._end:
+            self._region.madvise(mmap.MADV_DONTNEED, start, self._end - start)
+
+
+def populate_in_background(region: mmap.mmap, address: int, nbytes: int) -> threading.Thread:
+    """Faults in `nbytes` of `region` from `address` (page-aligned) in a daemon
+    thread, back to front, and returns it. ctypes lets go of the GIL for each
+    call, so Python work (the loader's imports) goes on beside it. Where the
+    kernel lacks the advice the thread stops, and pages fault in when written."""
+    madvise = ctypes.CDLL(None).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def populate(region: mmap.mmap) -> None:  # holds the mapping until done
+        for start in reversed(range(0, nbytes, POPULATE_CHUNK)):
+            if madvise(address + start, min(POPULATE_CHUNK, nbytes - start),
+                       MADV_POPULATE_WRITE) != 0:
+                return
+
+    thread = threading.Thread(target=populate, args=(region,), name="populate", daemon=True)
+    thread.start()
+    return thread
 
 
 def huge_pages_available() -> bool:
@@ -119,17 +172,21 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return arena.take(tuple(shape), dtype).zero_()
 
 
-def storage_on_huge_pages(module: nn.Module) -> int:
+def storage_on_huge_pages(module: nn.Module, arena: HugePageArena | None = None) -> int:
     """Gives the module's CPU parameters (tied ones once) new storage in one
     HugePageArena, for a checkpoint to fill: their values are not kept (load_model
     calls this before loading; a copy of storage never written would only read the
-    kernel's zero page in, 4 KB at a time). Returns the bytes, 0 where huge pages
-    are not available."""
+    kernel's zero page in, 4 KB at a time). `arena`: one made ahead for them, used
+    when it has the room, its pages left over released. Returns the bytes, 0 where
+    huge pages are not available."""
     params = [p for p in module.parameters() if p.device.type == "cpu"]
     if not params or not huge_pages_available():
         return 0
     nbytes = HugePageArena.bytes_for(params)
-    arena = HugePageArena(nbytes)
+    if arena is None or arena.room < nbytes:
+        arena = HugePageArena(nbytes)
     for param in params:
         param.data = arena.take(tuple(param.shape), param.dtype)
+    if arena.room >= mmap.PAGESIZE:  # made ahead, for more than they took
+        arena.release_room()
     return nbytes

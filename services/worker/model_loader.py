@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 from typing import Callable, Iterator
 
@@ -15,7 +16,8 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from services.common.model_store import find_gguf
 from services.worker.cpu_info import cpu_flags
-from services.worker.host_memory import storage_on_huge_pages
+from services.worker.host_memory import (HugePageArena, huge_pages_available,
+                                         storage_on_huge_pages)
 from services.worker.parallel import SINGLE, TensorParallel
 from services.worker.pipeline import SINGLE_STAGE, PipelineStage
 from services.worker.models import model_class_for
@@ -27,6 +29,11 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 StageFor = Callable[[int], PipelineStage]
+
+
+def whole_model(num_layers: int) -> PipelineStage:
+    """The StageFor of a rank that holds every layer (no pipeline parallelism)."""
+    return SINGLE_STAGE
 
 
 def cpu_has_bf16() -> bool:
@@ -80,6 +87,20 @@ def safetensors_files(model_dir: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     return files
+
+
+def checkpoint_arena(model_dir: str, dtype: torch.dtype) -> HugePageArena | None:
+    """A HugePageArena with room for every tensor of the checkpoint in `dtype`,
+    populated in the background from now: made before transformers' config, whose
+    imports take seconds of one core (bench/NOTES.md). None without huge pages."""
+    if not huge_pages_available():
+        return None
+    sizes = []
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            sizes += [math.prod(f.get_slice(name).get_shape()) * dtype.itemsize
+                      for name in f.keys()]
+    return HugePageArena(HugePageArena.bytes_for_sizes(sizes), populate=True)
 
 
 def iterate_safetensors(model_dir: str, wanted: Callable[[str], bool] = lambda name: True
@@ -199,7 +220,7 @@ def iterate_gguf(reader, config: PreTrainedConfig,
 
 def build_model(config: PreTrainedConfig, dtype: torch.dtype, max_positions: int,
                 device: torch.device, tp: TensorParallel = SINGLE,
-                backend=None, stage_for: StageFor = lambda num_layers: SINGLE_STAGE
+                backend=None, stage_for: StageFor = whole_model
                 ) -> torch.nn.Module:
     """Our model for the config (this rank's shard of its pipeline stage's layers),
     weights uninitialized."""
@@ -216,28 +237,34 @@ def build_model(config: PreTrainedConfig, dtype: torch.dtype, max_positions: int
 
 def _build_on_huge_pages(config: PreTrainedConfig, dtype: torch.dtype, max_positions: int,
                          device: torch.device, tp: TensorParallel, backend,
-                         stage_for: StageFor) -> torch.nn.Module:
+                         stage_for: StageFor, arena: HugePageArena | None = None
+                         ) -> torch.nn.Module:
     """build_model, its CPU parameters then given storage on huge pages (a decode
-    step streams them all) for the checkpoint to be loaded into; load_weights fills
-    every parameter or raises. The storage they were built with is never written:
-    moved after the load, every weight was written twice, and the first copies'
-    memory stayed in the heap (bench/NOTES.md)."""
+    step streams them all; `arena` when it has the room) for the checkpoint to be
+    loaded into; load_weights fills every parameter or raises. The storage they
+    were built with is never written: moved after the load, every weight was
+    written twice, and the first copies' memory stayed in the heap (bench/NOTES.md)."""
     net = build_model(config, dtype, max_positions, device, tp, backend, stage_for)
-    if device.type == "cpu" and not storage_on_huge_pages(net):
+    if device.type == "cpu" and not storage_on_huge_pages(net, arena):
         logger.info("no transparent huge pages here: the weights stay on 4 KB pages")
     return net
 
 
 def load_model(model: str, dtype: torch.dtype, max_positions: int, device: torch.device,
                tp: TensorParallel = SINGLE, backend=None,
-               stage_for: StageFor = lambda num_layers: SINGLE_STAGE) -> torch.nn.Module:
+               stage_for: StageFor = whole_model) -> torch.nn.Module:
     """From an HF directory, a .gguf file or a directory holding one .gguf; with tensor
     parallelism, this rank's shard; with pipeline parallelism, of its stage's layers
     only (stage_for: the stage, given the model's layer count)."""
     gguf_path = find_gguf(model)
     if gguf_path is None:
+        # A shard or a stage is not known before the config; its rank's arena is
+        # made then, for only what it holds.
+        arena = (checkpoint_arena(model, dtype) if device.type == "cpu" and tp.size == 1
+                 and stage_for is whole_model else None)
         config = AutoConfig.from_pretrained(model)
-        net = _build_on_huge_pages(config, dtype, max_positions, device, tp, backend, stage_for)
+        net = _build_on_huge_pages(config, dtype, max_positions, device, tp, backend, stage_for,
+                                   arena)
         net.load_weights(iterate_safetensors(model, net.wants))
     else:
         from gguf import GGUFReader

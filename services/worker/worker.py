@@ -17,7 +17,8 @@ from services.worker.host_memory import keep_freed_host_memory
 from services.worker.lora.manager import LoRAManager
 from services.worker.cpu_matmul import prepare_cpu_linears
 from services.worker.linear import linear_layers
-from services.worker.model_loader import load_model, resolve_dtype, resolve_storage_dtypes
+from services.worker.model_loader import (load_model, resolve_dtype, resolve_storage_dtypes,
+                                          whole_model)
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import init_distributed
 from services.worker.pipeline import PipelineStage
@@ -127,10 +128,13 @@ class Worker:
                                                         cache_config.kv_cache_dtype)
         backend = make_attention_backend(model_config.attention_backend, self.device,
                                          cache_config.block_size, kv_dtype)
+        partition = parallel_config.pp_layer_partition
+        # A partition is checked against the model's layers even for one stage.
+        stage_for = whole_model if num_stages == 1 and not partition else (
+            lambda num_layers: PipelineStage.of(self.rank, tp.size, num_stages, num_layers,
+                                                partition))
         model = load_model(model_config.model, dtype, model_config.max_model_len, self.device, tp,
-                           backend, lambda num_layers: PipelineStage.of(
-                               self.rank, tp.size, num_stages, num_layers,
-                               parallel_config.pp_layer_partition))
+                           backend, stage_for)
         graphs = None
         # LoRA deltas depend on per-step slot tensors the graphs would not see; a
         # pipeline stage's step sends and receives tensors outside any graph.

@@ -3,17 +3,21 @@ activations, freed and taken again by the next layer, fault no page in twice;
 the weights, and our GEMM's packed copies, each sit on one mapping advised for
 transparent huge pages."""
 import ctypes
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from kernels.cpu_build import cpu_ops_available
 from services.worker.cpu_matmul.gemm import PackedGemmWeights, pack_arena, pack_onto
 from services.worker.host_memory import (HUGE_PAGE, HugePageArena, huge_pages_available,
                                          storage_on_huge_pages, zeros_on_huge_pages)
+from services.worker.model_loader import checkpoint_arena
 
 # A fresh interpreter per case: mallopt's settings last for the process. The
 # blocks come from glibc's malloc, as torch's CPU tensors do; their sizes are a
@@ -80,6 +84,19 @@ def mapping_of(address: int) -> tuple[int, set[str]]:
     raise LookupError(f"no mapping holds {address:#x}")
 
 
+def resident_bytes(address: int, nbytes: int) -> int:
+    """What of [address, address + nbytes) is in memory, page by page (mincore;
+    smaps counts a whole mapping, and the kernel merges neighbouring ones)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address - address % page
+    pages = -(-(address + nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert mincore(start, pages * page, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec) * page
+
+
 @pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")
 def test_parameters_take_storage_on_one_huge_page_mapping_for_a_checkpoint():
     """load_model's move, before it loads the checkpoint: storage only, nothing
@@ -104,6 +121,58 @@ def test_parameters_take_storage_on_one_huge_page_mapping_for_a_checkpoint():
 
 @pytest.mark.skipif(not huge_pages_available() or not cpu_ops_available(),
                     reason="Linux with transparent huge pages and the CPU kernels only")
+@pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")
+def test_an_arena_made_for_them_gives_the_parameters_storage_when_it_has_the_room():
+    """load_model's arena made ahead from the checkpoint (checkpoint_arena)."""
+    model = nn.Linear(64, 96)
+    room = HugePageArena.bytes_for(list(model.parameters()))
+
+    def parameters_within(arena: HugePageArena) -> bool:
+        start = arena.take((16,), torch.uint8).data_ptr() + 64  # a probe takes 64 bytes
+        storage_on_huge_pages(model, arena)
+        return all(start <= p.data_ptr() < start + room for p in model.parameters())
+
+    ahead = HugePageArena(64 + room)
+    assert parameters_within(ahead) and ahead.room == 0
+    spare = 8 << 20
+    larger = HugePageArena(64 + room + spare, populate=True)  # the rest goes back
+    assert parameters_within(larger) and larger.room == spare
+    larger.populating.join()
+    assert resident_bytes(model.weight.data_ptr() + room, spare) < spare // 4
+    small = HugePageArena(64 + room - 64)
+    assert not parameters_within(small) and small.room == room - 64  # one of its own
+
+
+def _populates_write() -> bool:
+    """MADV_POPULATE_WRITE came with Linux 5.14."""
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    return release >= (5, 14)
+
+
+@pytest.mark.skipif(not huge_pages_available() or not _populates_write(),
+                    reason="Linux 5.14 or later with transparent huge pages only")
+def test_a_populated_arena_faults_in_beside_the_writer_and_keeps_what_it_wrote():
+    nbytes = 64 << 20
+    cold, warm = HugePageArena(nbytes), HugePageArena(nbytes, populate=True)
+    first = warm.copy_of(torch.arange(1 << 20, dtype=torch.float32))  # while it populates
+    warm.populating.join()
+    assert cold.populating is None
+    assert resident_bytes(cold.take((16,), torch.uint8).data_ptr(), nbytes) < nbytes // 8
+    assert resident_bytes(first.data_ptr(), nbytes) == nbytes
+    assert torch.equal(first, torch.arange(1 << 20, dtype=torch.float32))
+    assert not warm.take((nbytes // 4 - (1 << 20),), torch.float32).any()  # the rest: zeros
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")
+def test_a_checkpoints_arena_has_room_for_its_tensors_in_the_models_dtype(tmp_path):
+    tensors = {"a.weight": torch.zeros(96, 64, dtype=torch.bfloat16),
+               "b.weight": torch.zeros(7, dtype=torch.bfloat16)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    arena = checkpoint_arena(str(tmp_path), torch.float32)
+    assert arena.room == HugePageArena.bytes_for_sizes([96 * 64 * 4, 7 * 4])
+    arena.populating.join()
+
+
 def test_packed_gemm_weights_move_onto_one_huge_page_mapping_unchanged():
     """The fp32 path's packed copies, which every step above one row streams: each
     moved as it is made (prepare_cpu_linears), into room made for all of them."""

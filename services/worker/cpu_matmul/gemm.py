@@ -102,12 +102,13 @@ def pack_arena(weights: list[torch.Tensor]) -> HugePageArena | None:
     """One HugePageArena with room for our GEMM's pack of each [N, K] weight (its
     rows padded to whole panels, at most fp32's 4 bytes an element: room left unused
     is address space, not memory), or None where huge pages or the kernel are not
-    available."""
+    available. Its pages fault in from the back while the packs fill it from the
+    front."""
     if not weights or not packed_gemm_available() or not huge_pages_available():
         return None
     panel = torch.ops.llmserve.gemm_panel_columns()
     return HugePageArena(HugePageArena.bytes_for_sizes(
-        -(-w.shape[0] // panel) * panel * w.shape[1] * 4 for w in weights))
+        -(-w.shape[0] // panel) * panel * w.shape[1] * 4 for w in weights), populate=True)
 
 
 def pack_onto(arena: HugePageArena | None, strategy) -> None:
