@@ -119,8 +119,6 @@ def test_parameters_take_storage_on_one_huge_page_mapping_for_a_checkpoint():
     assert model["proj"].weight.sum() == 96 * 64
 
 
-@pytest.mark.skipif(not huge_pages_available() or not cpu_ops_available(),
-                    reason="Linux with transparent huge pages and the CPU kernels only")
 @pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")
 def test_an_arena_made_for_them_gives_the_parameters_storage_when_it_has_the_room():
     """load_model's arena made ahead from the checkpoint (checkpoint_arena)."""
@@ -173,6 +171,8 @@ def test_a_checkpoints_arena_has_room_for_its_tensors_in_the_models_dtype(tmp_pa
     arena.populating.join()
 
 
+@pytest.mark.skipif(not huge_pages_available() or not cpu_ops_available(),
+                    reason="Linux with transparent huge pages and the CPU kernels only")
 def test_packed_gemm_weights_move_onto_one_huge_page_mapping_unchanged():
     """The fp32 path's packed copies, which every step above one row streams: each
     moved as it is made (prepare_cpu_linears), into room made for all of them."""
@@ -189,6 +189,30 @@ def test_packed_gemm_weights_move_onto_one_huge_page_mapping_unchanged():
     assert "hg" in mapping_of(starts[0])[1]
     with pytest.raises(ValueError, match="cannot hold"):  # the room was all taken
         arena.take((1024,), torch.float32)
+
+
+@pytest.mark.skipif(not huge_pages_available() or not cpu_ops_available()
+                    or not _populates_write(),
+                    reason="Linux 5.14 or later with transparent huge pages and the CPU kernels")
+def test_a_pack_arena_gives_back_the_pages_16_bit_packs_leave():
+    """pack_arena makes room for fp32 packs and populates it; prepare_cpu_linears
+    releases what a bf16 model's packs leave."""
+    weights = [torch.randn(1024, 1024).to(torch.bfloat16) for _ in range(4)]
+    arena = pack_arena(weights)
+    strategies = [PackedGemmWeights(w) for w in weights]
+    for strategy in strategies:
+        pack_onto(arena, strategy)
+    first, last = strategies[0].packed, strategies[-1].packed
+    taken_end = last.data_ptr() + last.nbytes
+    assert arena.room >= 4 << 20  # half the room is left
+    arena.populating.join()
+    assert resident_bytes(taken_end, arena.room) >= arena.room - HUGE_PAGE
+    arena.release_room()
+    assert resident_bytes(taken_end, arena.room) <= 64 << 10
+    assert resident_bytes(first.data_ptr(), taken_end - first.data_ptr()) >= (
+        taken_end - first.data_ptr())
+    assert torch.equal(strategies[0](weights[0][:3]), PackedGemmWeights(weights[0])(
+        weights[0][:3]))
 
 
 @pytest.mark.skipif(not huge_pages_available(), reason="Linux with transparent huge pages only")

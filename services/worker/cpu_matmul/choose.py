@@ -75,6 +75,8 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
     for layer in layers:
         layer.cpu_weights = make(layer.weight)
         pack_onto(arena, _many(layer.cpu_weights))
+    if arena is not None:  # sized for fp32 packs, and populated: 16-bit ones leave room
+        arena.release_room()
     # The name says what was built: with_gemv decides per layer.
     on_gemv = [isinstance(layer.cpu_weights, GemvForFewRows) for layer in layers]
     if path in (ONEDNN_PACKED_PATH, MKL_PACKED_PATH, PACKED_GEMM_PATH, AMX_PATH) and any(on_gemv):

@@ -100,8 +100,8 @@ def bf16_dot_gemm_available() -> bool:
 
 def pack_arena(weights: list[torch.Tensor]) -> HugePageArena | None:
     """One HugePageArena with room for our GEMM's pack of each [N, K] weight (its
-    rows padded to whole panels, at most fp32's 4 bytes an element: room left unused
-    is address space, not memory), or None where huge pages or the kernel are not
+    rows padded to whole panels, at most fp32's 4 bytes an element: the caller
+    releases the room left), or None where huge pages or the kernel are not
     available. Its pages fault in from the back while the packs fill it from the
     front."""
     if not weights or not packed_gemm_available() or not huge_pages_available():
