@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from services.common.model_store import ensure_default_gguf
-from services.worker.model_loader import load_model
+from services.worker import model_loader
+from services.worker.model_loader import checkpoint_arena, load_model
 from tests.integration.tiny_gguf import write_gguf
 from tests.integration.tiny_models import MAX_POSITIONS, TINY, max_logits_diff, tiny_hf_model
 
@@ -41,14 +42,19 @@ HF_CASES = {
 
 
 @pytest.mark.parametrize("case", HF_CASES)
-def test_hf_directory_matches_transformers(case, tmp_path):
+def test_hf_directory_matches_transformers(case, tmp_path, monkeypatch):
     make_config, sharded = HF_CASES[case]
     hf_model = tiny_hf_model(make_config())
     hf_model.save_pretrained(tmp_path, max_shard_size="200KB" if sharded else "5GB")
     if sharded:
         assert (tmp_path / "model.safetensors.index.json").exists()
         assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    made = []
+    monkeypatch.setattr(model_loader, "checkpoint_arena", lambda *args: made.append(
+        checkpoint_arena(*args)) or made[-1])
     model = load_model(str(tmp_path), torch.float32, MAX_POSITIONS, CPU)
+    # The arena sized from the checkpoint's headers was made and taken whole.
+    assert len(made) == 1 and (made[0] is None or made[0].room == 0)
     diff = max_logits_diff(model, hf_model)
     print(f"{case}: max |logits - transformers| = {diff:.2e}")
     assert diff < TOLERANCE

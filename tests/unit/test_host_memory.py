@@ -1,7 +1,7 @@
 """The worker's host memory (services/worker/host_memory.py): a layer's
 activations, freed and taken again by the next layer, fault no page in twice;
 the weights, and our GEMM's packed copies, each sit on one mapping advised for
-transparent huge pages."""
+transparent huge pages, faulted in by a thread beside the loader."""
 import ctypes
 import os
 import re
@@ -137,7 +137,7 @@ def test_an_arena_made_for_them_gives_the_parameters_storage_when_it_has_the_roo
     assert parameters_within(larger) and larger.room == spare
     larger.populating.join()
     assert resident_bytes(model.weight.data_ptr() + room, spare) < spare // 4
-    small = HugePageArena(64 + room - 64)
+    small = HugePageArena(room)  # the probe leaves too little
     assert not parameters_within(small) and small.room == room - 64  # one of its own
 
 
@@ -195,8 +195,8 @@ def test_packed_gemm_weights_move_onto_one_huge_page_mapping_unchanged():
                     or not _populates_write(),
                     reason="Linux 5.14 or later with transparent huge pages and the CPU kernels")
 def test_a_pack_arena_gives_back_the_pages_16_bit_packs_leave():
-    """pack_arena makes room for fp32 packs and populates it; prepare_cpu_linears
-    releases what a bf16 model's packs leave."""
+    """pack_arena makes room for fp32 packs and populates it; what a bf16 model's
+    packs leave goes back (prepare_cpu_linears releases it)."""
     weights = [torch.randn(1024, 1024).to(torch.bfloat16) for _ in range(4)]
     arena = pack_arena(weights)
     strategies = [PackedGemmWeights(w) for w in weights]
