@@ -118,7 +118,8 @@ class ModelRunner:
             states = self.input_batch.states
             self.lora.set_step([states[row].lora_id for row in step.rows],
                                np.diff(step.query_start_loc).tolist())
-        hidden = self._forward(step)
+        output_rows = self._output_rows(step, scheduler_output)
+        hidden = self._forward(step, output_rows)
         if hidden is None:  # a stage before the last: the last one samples
             return ModelRunnerOutput()
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(step, hidden))
@@ -133,7 +134,8 @@ class ModelRunner:
                                                         scheduler_output)
             self.input_batch.append_token_lists(rows, tokens)
         else:
-            tokens, logprobs = self._sample(step, hidden, scheduler_output, sampled_ids, rows)
+            sampled = hidden if output_rows is not None else hidden[step.logits_indices]
+            tokens, logprobs = self._sample(sampled, scheduler_output, sampled_ids, rows)
         output.sampled_token_ids = dict(zip(sampled_ids, tokens))
         output.logprobs = {r: lp for r, lp in zip(sampled_ids, logprobs) if lp is not None}
         if self.spec_decoder is not None:
@@ -141,10 +143,11 @@ class ModelRunner:
                                                                  rows)
         return output
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, so: SchedulerOutput,
-                sampled_ids: list[str], rows: np.ndarray):
-        """One token per sampling request, and its logprobs (or None), each in a list."""
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+    def _sample(self, hidden: torch.Tensor, so: SchedulerOutput, sampled_ids: list[str],
+                rows: np.ndarray):
+        """One token per sampling request from its row of `hidden`, and its logprobs
+        (or None), each in a list."""
+        logits = self.model.compute_logits(hidden)
         apply_grammar_bitmasks(logits, sampled_ids, so.grammar_bitmasks)
         meta = build_sampling_metadata(self.input_batch, rows, self.vocab_size)
         tokens, logprobs = self.sampler(logits, meta)
@@ -154,17 +157,36 @@ class ModelRunner:
         return ([[t] for t in tokens.tolist()],
                 [None if lp is None else [lp] for lp in logprobs])
 
-    def _forward(self, step: StepInputs) -> torch.Tensor | None:
-        """The final hidden states; None on a pipeline stage before the last, which
-        hands its output to the next stage instead."""
+    def _output_rows(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor | None:
+        """The rows whose final hidden states this step reads, where fewer than all
+        (None: all): the sampled ones. All with prompt logprobs, pooling or drafts
+        to verify, which read more, and under LoRA adapters, whose per-token slots
+        span every row."""
+        num_tokens, num_sampled = len(step.input_ids), int(step.sampling.sum())
+        if num_sampled == num_tokens or step.pooling.any() or so.scheduled_spec_decode_tokens:
+            return None
+        if self.lora is not None and self.lora.tokens.slots is not None:
+            return None
+        states = self.input_batch.states
+        if any(states[row].sampling_params.prompt_logprobs is not None for row in step.rows):
+            return None
+        if not num_sampled:  # prompt chunks only: one row, read by no one
+            return torch.tensor([num_tokens - 1])
+        return step.logits_indices
+
+    def _forward(self, step: StepInputs, output_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The final hidden states (of `output_rows` only, where given); None on a
+        pipeline stage before the last, which hands its output to the next stage
+        instead."""
         meta, graphs, stage = step.attn_metadata, self.decode_graphs, self.stage
         if graphs is not None and graphs.can_run(len(step.input_ids), meta.max_query_len):
-            return graphs.run(step.input_ids, step.positions, meta)
+            hidden = graphs.run(step.input_ids, step.positions, meta)
+            return hidden if output_rows is None else hidden[output_rows]
         intermediate = None
         if not stage.is_first:
             intermediate = stage.recv(len(step.input_ids), self.model.config.hidden_size,
                                       self.activation_dtype, self.device)
-        out = self.model(step.input_ids, step.positions, meta, intermediate)
+        out = self.model(step.input_ids, step.positions, meta, intermediate, output_rows)
         if stage.is_last:
             return out
         stage.send(out)

@@ -46,3 +46,48 @@ def test_logits_match_transformers_on_mixed_paged_batch(model_dir, tokenizer, hf
     assert diff < 1e-3, f"max abs logits difference {diff:.3e}"
     assert torch.equal(ours_a.argmax(-1), ref_a.argmax(-1))
     assert torch.equal(ours_b.argmax(-1), ref_b.argmax(-1))
+
+
+def test_prefill_steps_carry_only_sampled_rows_past_the_last_attention(model_dir, tokenizer,
+                                                                       hf_model):
+    """The last layer's o_proj and MLP see only the rows a step samples from: a
+    finished prompt's last, a decode's one, one row when only chunks ran; every
+    row with prompt logprobs. The samples stay transformers' argmax, and every
+    chunk's K/V still lands in the cache (B's continuation reads it)."""
+    model = load_model(model_dir, torch.float32, 512, torch.device("cpu"))
+    runner = ModelRunner(model, BLOCK_SIZE, torch.device("cpu"), torch.float32, 512)
+    runner.init_kv_cache(32)
+    rows_seen = []
+    last_mlp = model.model.layers[-1].mlp
+    last_mlp.register_forward_pre_hook(lambda module, args: rows_seen.append(args[0].shape[0]))
+    a = tokenizer("The quick brown fox jumps over the lazy dog because")["input_ids"]
+    b = tokenizer("In 1492, Columbus sailed the ocean blue. Many years later, "
+                  "historians still debate what he actually found")["input_ids"]
+    c = tokenizer("Water boils at")["input_ids"]
+    greedy, chunk = SamplingParams(temperature=0), 12
+    out1 = runner.execute_model(SchedulerOutput(
+        new_requests=[NewRequestData("a", a, greedy, [3, 7], 0),
+                      NewRequestData("b", b, greedy, [10, 4, 9], 0)],
+        num_scheduled_tokens={"a": len(a), "b": chunk}))
+    out2 = runner.execute_model(SchedulerOutput(
+        cached_requests=[CachedRequestData("b", [], chunk)],
+        num_scheduled_tokens={"b": 6}))  # a chunk alone: nothing sampled
+    out3 = runner.execute_model(SchedulerOutput(
+        cached_requests=[CachedRequestData("a", [], len(a)), CachedRequestData("b", [], chunk + 6)],
+        num_scheduled_tokens={"a": 1, "b": len(b) - chunk - 6}))
+    out4 = runner.execute_model(SchedulerOutput(
+        new_requests=[NewRequestData("c", c, SamplingParams(temperature=0, prompt_logprobs=1),
+                                     [12], 0)],
+        num_scheduled_tokens={"c": len(c)}))
+    assert rows_seen == [1, 1, 2, len(c)]
+    assert out2.sampled_token_ids == {}
+    with torch.no_grad():
+        a_next = out1.sampled_token_ids["a"][0]
+        ref_a = hf_model(torch.tensor([a + [a_next]])).logits[0]
+        ref_b = hf_model(torch.tensor([b])).logits[0, -1]
+        ref_c = hf_model(torch.tensor([c])).logits[0]
+    assert a_next == ref_a[len(a) - 1].argmax().item()
+    assert out3.sampled_token_ids == {"a": [ref_a[-1].argmax().item()],
+                                      "b": [ref_b.argmax().item()]}
+    assert out4.sampled_token_ids == {"c": [ref_c[-1].argmax().item()]}
+    assert len(out4.prompt_logprobs["c"]) == len(c) - 1

@@ -78,7 +78,10 @@ class LlamaAttention(nn.Module):
         # the model runner.
         self.kv_cache = None
 
-    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`rows`: the only rows to project out (None: all); every row's K and V
+        still go into the cache."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -87,7 +90,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         apply_rope(q, k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        out = out.reshape(-1, self.num_heads * self.head_dim)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class LlamaMLP(nn.Module):
@@ -112,14 +116,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream
-        (vLLM's form: each norm adds it in the same pass)."""
+        (vLLM's form: each norm adds it in the same pass). `rows`: the only rows
+        to carry on past attention (None: all)."""
         if residual is None:  # the first layer: x is the embedding
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = self.self_attn(rope, x, meta, rows)
+        if rows is not None:
+            residual = residual[rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -150,19 +158,26 @@ class LlamaModel(nn.Module):
         return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
 
     def forward(self, input_ids, positions, meta,
-                intermediate: IntermediateTensors | None = None):
-        """The final hidden states on the last stage; on any other, what the next
-        stage takes (the first stage embeds input_ids, the others start from
-        `intermediate`)."""
+                intermediate: IntermediateTensors | None = None,
+                output_rows: torch.Tensor | None = None):
+        """The final hidden states on the last stage, of `output_rows` only where
+        given; on any other stage, what the next one takes (the first stage embeds
+        input_ids, the others start from `intermediate`)."""
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary(positions)
         if self.cpu_decode is not None and self.cpu_decode.takes(x, meta):
-            return self.cpu_decode(x, rope, meta)
-        for layer in self.own_layers:
-            x, residual = layer(rope, x, residual, meta)
+            out = self.cpu_decode(x, rope, meta)
+            return out if output_rows is None else out[output_rows]
+        layers = self.own_layers
+        # Past the last layer's attention no row reads another, so the rows nobody
+        # reads (a prompt's but its last) stop there: a prefill skips most of that
+        # layer's linears (llama.cpp's output ids).
+        rows = output_rows if self.stage.is_last else None
+        for i, layer in enumerate(layers):
+            x, residual = layer(rope, x, residual, meta, rows if i == len(layers) - 1 else None)
         if not self.stage.is_last:
             return IntermediateTensors(x, residual)
         return self.norm(x, residual)[0]
@@ -206,10 +221,12 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.own_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: IntermediateTensors | None = None):
-        """Hidden states [T, hidden] of the scheduled tokens (on a pipeline stage
-        before the last: its IntermediateTensors)."""
-        return self.model(input_ids, positions, meta, intermediate)
+                intermediate: IntermediateTensors | None = None,
+                output_rows: torch.Tensor | None = None):
+        """Hidden states [T, hidden] of the scheduled tokens, or of `output_rows`
+        of them where given (on a pipeline stage before the last: its
+        IntermediateTensors of every token)."""
+        return self.model(input_ids, positions, meta, intermediate, output_rows)
 
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor loads into on this stage; None for one

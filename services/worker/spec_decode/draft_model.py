@@ -68,6 +68,8 @@ class DraftModelProposer:
                      num_new: np.ndarray) -> np.ndarray:
         """One draft forward: each row's tokens from `starts` on, then its argmax."""
         step = self.input_batch.gather(request_ids, rows, starts, num_new)
-        hidden = self.model(step.input_ids, step.positions, step.attn_metadata, None)
-        last = torch.from_numpy(step.query_start_loc[1:] - 1)
-        return argmax_rows(self.model.compute_logits(hidden[last])).cpu().numpy()
+        last = step.query_start_loc[1:] - 1
+        # Rows catching up on several tokens need only their last one's hidden state.
+        output_rows = None if len(last) == len(step.input_ids) else torch.from_numpy(last)
+        hidden = self.model(step.input_ids, step.positions, step.attn_metadata, None, output_rows)
+        return argmax_rows(self.model.compute_logits(hidden)).cpu().numpy()
