@@ -85,11 +85,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(2048, "tokens in one step", vllm=True)
     # Offline, throughput is what counts: no cap (the server caps steps to bound
     # inter-token latency).
-    # 192, not 256: where a 256-token step beside 64 decodes took about 3x a decode
-    # step (an AMX Xeon, fp32), bursts' ITL p99 / p50 went over 3; 192 kept it under
-    # at the same throughput and TTFT p50 (bench/NOTES.md).
+    # A burst's p99 ITL is the length of the steps that admit its last prompts
+    # beside its decodes, so 2.5x the 64 decodes of the bench's burst: at 192 (256
+    # before, over 3x on an AMX Xeon) ITL p99 / p50 still reached 2.78-3.13 on an
+    # AVX2 EPYC; 160 held 1.92-2.11 for 8% more TTFT p50 (bench/NOTES.md).
     max_step_tokens_while_decoding: int = setting(
-        192, "while requests decode, a step carries at most this many tokens: its "
+        160, "while requests decode, a step carries at most this many tokens: its "
         "decodes, then prompt tokens in what is left (at least a quarter), so arrivals "
         "delay each decode by a bounded step (0: no cap; a step without decodes, or with "
         "more prompts waiting than requests decoding, as at a burst's start, uses the "
