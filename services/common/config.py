@@ -85,10 +85,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(2048, "tokens in one step", vllm=True)
     # Offline, throughput is what counts: no cap (the server caps steps to bound
     # inter-token latency).
-    # A burst's p99 ITL is the length of the steps that admit its last prompts
-    # beside its decodes, so 2.5x the 64 decodes of the bench's burst: at 192 (256
-    # before, over 3x on an AMX Xeon) ITL p99 / p50 still reached 2.78-3.13 on an
-    # AVX2 EPYC; 160 held 1.92-2.11 for 8% more TTFT p50 (bench/NOTES.md).
+    # A burst's ITL p99 is the length of the steps that admit its last prompts
+    # beside its decodes: 160 tokens is 2.5x the 64 decodes of the bench's burst.
+    # At 192 (256 before: over 3x on an AMX Xeon) its ITL p99 / p50 still reached
+    # 3.00-3.13 on an AVX2 EPYC; 160 held 1.92-2.11 for 8% more TTFT p50
+    # (bench/NOTES.md).
     max_step_tokens_while_decoding: int = setting(
         160, "while requests decode, a step carries at most this many tokens: its "
         "decodes, then prompt tokens in what is left (at least a quarter), so arrivals "
