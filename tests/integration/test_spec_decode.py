@@ -166,10 +166,18 @@ def test_a_small_draft_model_keeps_greedy_outputs_through_preemption_and_chunks(
     core = make_engine_core(model_dir, kv_cache_bytes=20 * block_bytes, max_model_len=256,
                             speculative=spec("draft_model", model=layer_draft),
                             max_num_batched_tokens=48)
+    rows = {0: [], 1: []}  # rows into the draft's first and last MLP, forward by forward
+    draft = core.executor.workers[0].model_runner.spec_decoder.proposer.model
+    for i in rows:
+        draft.model.layers[i].mlp.register_forward_pre_hook(
+            lambda module, args, i=i: rows[i].append(args[0].shape[0]))
     tokens, _ = run(core, prompts, max_tokens=40)
     assert core.stats().num_preemptions_total > 0
     assert core.scheduler.spec_decoding.stats.num_draft_tokens > 0
     assert tokens == reference
+    # Catching up on a prompt, the draft carries only each row's last token past
+    # its last attention.
+    assert any(last < first for first, last in zip(rows[0], rows[1]))
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused_at_start(model_dir, tmp_path):
