@@ -118,11 +118,12 @@ class ModelRunner:
             states = self.input_batch.states
             self.lora.set_step([states[row].lora_id for row in step.rows],
                                np.diff(step.query_start_loc).tolist())
-        output_rows = self._output_rows(step, scheduler_output)
+        prompt_logprobs = self._prompt_logprobs_wanted(step) if self.stage.is_last else []
+        output_rows = None if prompt_logprobs else self._output_rows(step, scheduler_output)
         hidden = self._forward(step, output_rows)
         if hidden is None:  # a stage before the last: the last one samples
             return ModelRunnerOutput()
-        output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(step, hidden))
+        output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(prompt_logprobs, hidden))
         if step.pooling.any():
             output.pooled = pool_step(self.input_batch, step, hidden)
         rows = step.rows[step.sampling]
@@ -159,16 +160,13 @@ class ModelRunner:
 
     def _output_rows(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor | None:
         """The rows whose final hidden states this step reads, where fewer than all
-        (None: all): the sampled ones. All with prompt logprobs, pooling or drafts
-        to verify, which read more, and under LoRA adapters, whose per-token slots
-        span every row."""
+        (None: all): the sampled ones. All with pooling or drafts to verify, which
+        read more, and under LoRA adapters, whose per-token slots span every row
+        (the caller keeps all for prompt logprobs)."""
         num_tokens, num_sampled = len(step.input_ids), int(step.sampling.sum())
         if num_sampled == num_tokens or step.pooling.any() or so.scheduled_spec_decode_tokens:
             return None
         if self.lora is not None and self.lora.tokens.slots is not None:
-            return None
-        states = self.input_batch.states
-        if any(states[row].sampling_params.prompt_logprobs is not None for row in step.rows):
             return None
         if not num_sampled:  # prompt chunks only: one row, read by no one
             return torch.tensor([num_tokens - 1])
@@ -240,9 +238,9 @@ class ModelRunner:
                                   context=tracing.context_from_headers(new.trace_headers),
                                   attributes={"gen_ai.request.id": new.request_id})
 
-    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor):
-        """For requests asking for them: the logprob of each next prompt token at the
-        prompt positions computed this step (position p predicts token p + 1)."""
+    def _prompt_logprobs_wanted(self, step: StepInputs) -> list[tuple]:
+        """The requests asking for prompt logprobs at prompt positions computed this
+        step: (request id, row, top k, first and end position, its first row)."""
         batch = self.input_batch
         wanted = []
         for i, (request_id, row) in enumerate(zip(step.request_ids, step.rows)):
@@ -254,8 +252,14 @@ class ModelRunner:
                       batch.num_prompt_tokens[row] - 1)
             if end > start:
                 wanted.append((request_id, row, k, start, end, step.query_start_loc[i]))
+        return wanted
+
+    def _prompt_logprobs(self, wanted: list[tuple], hidden: torch.Tensor):
+        """For the requests `wanted`: the logprob of each next prompt token at the
+        prompt positions computed this step (position p predicts token p + 1)."""
         if not wanted:
             return {}
+        batch = self.input_batch
         hidden_idx = np.concatenate([np.arange(q, q + end - start)
                                      for _, _, _, start, end, q in wanted])
         targets = np.concatenate([batch.token_ids[row, start + 1:end + 1]
