@@ -108,9 +108,9 @@ void gemv_rows(const float* x, int64_t M, const w_t* w, int64_t N, int64_t K, fl
 
 // Whether the GEMV asks for weights of this dtype ahead of its loads: on Intel,
 // and 16-bit ones everywhere. AMD treats the hints alike, into L1
-// (paged_attention.h); on Zen 3 fp32 weights streamed faster with the hardware
-// prefetchers alone, bf16 ones faster asked for, and fp16 ones tied
-// (bench/NOTES.md).
+// (paged_attention.h); on Zen 3 and Zen 5 fp32 weights streamed faster with the
+// hardware prefetchers alone, bf16 ones faster asked for (fp16 ones tied on
+// Zen 3; bench/NOTES.md).
 bool gemv_prefetches(at::ScalarType weight_dtype) {
   return llmserve::cpu_is_intel() || weight_dtype != at::kFloat;
 }
