@@ -5,7 +5,7 @@ and this CPU (the measurements behind each rule: bench/NOTES.md):
   the rest of the decodes, oneDNN above; on
   CPUs with AVX512-BF16 (without AMX): our GEMM multiplying bf16 pairs, our GEMV
   for up to four rows (two where AVX-512 runs at half width); on Intel CPUs without
-  either: our GEMM on the bf16 weights, our GEMV for few rows;
+  either, with AVX-512: our GEMM on the bf16 weights, our GEMV for few rows;
 - 16-bit models on CPUs with native bf16/fp16: oneDNN prepacked, our GEMV for
   one or two rows (bf16 up to four where AVX-512 runs at full width); elsewhere:
   our GEMM on the 16-bit weights where it is built, our GEMV for few rows;
@@ -89,8 +89,10 @@ def prepare_cpu_linears(layers: Iterable[nn.Module], dtype: torch.dtype,
 def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make | None, str]:
     if dtype == torch.bfloat16 and onednn_native(dtype) and amx_available():
         return _amx_or_onednn, AMX_PATH
+    # On Intel only with AVX-512 tiles: the AVX2 ones were never measured against
+    # oneDNN's bf16 product.
     if dtype == torch.bfloat16 and (bf16_dot_gemm_available() or (
-            cpu_is_intel() and packed_gemm_available())):
+            cpu_is_intel() and packed_gemm_available() and packed_gemm_tiles_avx512())):
         return sixteen_bit_model_weights, PACKED_GEMM_PATH
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         return onednn_weights, ONEDNN_PACKED_PATH
