@@ -58,13 +58,14 @@ inline void softmax_heads(Scratch& s, int64_t heads, int64_t len, int64_t stride
   }
 }
 
-// KV head h's part of block n + kStreamAhead of `walk` (counting on into
-// `then`) where 16-bit walks stream ahead (streams_ahead); otherwise nullptr.
+// KV head h's part of block n + stream_ahead_blocks of `walk` (counting on into
+// `then`) where the walk asks for lines ahead (`ahead`: streams_ahead);
+// otherwise nullptr.
 template <int BS, int D, typename scalar_t>
-inline const scalar_t* head_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& then, int64_t n,
-                                  int64_t h, int64_t block) {
+inline const scalar_t* head_ahead(bool ahead, const Walk<scalar_t>& walk, const Walk<scalar_t>& then,
+                                  int64_t n, int64_t h, int64_t block) {
   const scalar_t* b =
-      streams_ahead<scalar_t>() ? block_at(walk, then, n + kStreamAhead, block) : nullptr;
+      ahead ? block_at(walk, then, n + stream_ahead_blocks<scalar_t>(), block) : nullptr;
   return b ? b + h * D * BS : nullptr;
 }
 
@@ -74,7 +75,7 @@ inline const scalar_t* head_ahead(const Walk<scalar_t>& walk, const Walk<scalar_
 // the AMX Xeon, bench/NOTES.md), the rest one at a time.
 template <typename scalar_t, int BS, int D>
 void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>& next, int64_t len,
-                 int64_t kv_heads, int64_t group) {
+                 int64_t kv_heads, int64_t group, bool ahead) {
   constexpr int most = heads_per_pass<D>();
   const int64_t stride = values.blocks * BS, block = kv_heads * D * BS;
   const bool prefetch = prefetches_blocks<scalar_t>();
@@ -90,8 +91,8 @@ void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>&
         values_pair_of<scalar_t, BS, D>(
             std::min<int64_t>(most, group - g), s.scores.data() + (h * group + g) * stride + n * BS,
             stride, valid_b, va + h * D * BS, vb + h * D * BS, s.acc.data() + (h * group + g) * D,
-            g == 0 ? head_ahead<BS, D>(values, next, n, h, block) : nullptr,
-            g == 0 ? head_ahead<BS, D>(values, next, n + 1, h, block) : nullptr);
+            g == 0 ? head_ahead<BS, D>(ahead, values, next, n, h, block) : nullptr,
+            g == 0 ? head_ahead<BS, D>(ahead, values, next, n + 1, h, block) : nullptr);
   }
   for (; n < values.blocks; ++n) {
     if (prefetch) prefetch_ahead(values, next, n, block);
@@ -102,7 +103,8 @@ void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>&
                                s.scores.data() + (h * group + g) * stride + n * BS, stride, valid,
                                values.cache + values.row[n] * block + h * D * BS,
                                s.acc.data() + (h * group + g) * D,
-                               g == 0 ? head_ahead<BS, D>(values, next, n, h, block) : nullptr);
+                               g == 0 ? head_ahead<BS, D>(ahead, values, next, n, h, block)
+                                      : nullptr);
   }
 }
 
@@ -115,9 +117,11 @@ void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>&
 // KV heads is contiguous, so with all KV heads in one item a walk reads whole
 // blocks in order: from memory, 1.3-1.45x (fp32) and 1.28x (bf16) the rate of
 // one walk per KV head, 64 sequences with half their blocks adjacent.
+// whole_sequence: the walk is a batch's item, not a chunk of a sequence
+// (streams_ahead).
 template <typename q_t, typename scalar_t, int BS, int D>
 void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row, int64_t len,
-            int64_t kv_heads, int64_t group, double scale, Scratch& s,
+            int64_t kv_heads, int64_t group, double scale, Scratch& s, bool whole_sequence,
             const Walk<scalar_t>& next = {}) {
   constexpr int most = heads_per_pass<D>(), NB = blocks_per_pass<most>();
   const int64_t heads = kv_heads * group, num_blocks = (len + BS - 1) / BS;
@@ -129,6 +133,7 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   s.sum.ensure(heads);
   for (int64_t i = 0; i < heads * D; ++i) s.q[i] = static_cast<float>(q[i]) * scale;
   const bool prefetch = prefetches_blocks<scalar_t>();
+  const bool ahead = streams_ahead<scalar_t>(whole_sequence);
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
   in_block_groups<NB>(num_blocks, [&](int64_t n, auto count) {
     constexpr int nb = decltype(count)::value;
@@ -136,7 +141,8 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
     for (int64_t h = 0; h < kv_heads; ++h) {
       const scalar_t *kblocks[nb], *kahead[nb];
       for (int j = 0; j < nb; ++j) kblocks[j] = kc + row[n + j] * block + h * D * BS;
-      for (int j = 0; j < nb; ++j) kahead[j] = head_ahead<BS, D>(keys, values, n + j, h, block);
+      for (int j = 0; j < nb; ++j)
+        kahead[j] = head_ahead<BS, D>(ahead, keys, values, n + j, h, block);
       for (int64_t g = 0; g < group; g += most)  // the keys are in cache after g = 0
         scores_of<scalar_t, BS, D, nb>(
             std::min<int64_t>(most, group - g), s.q.data() + (h * group + g) * D, kblocks,
@@ -144,7 +150,7 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
     }
   });
   softmax_heads(s, heads, len, stride);
-  walk_values<scalar_t, BS, D>(s, values, next, len, kv_heads, group);
+  walk_values<scalar_t, BS, D>(s, values, next, len, kv_heads, group, ahead);
 }
 
 // One work item: out = softmax(q K^T * scale) V for every query head of one
@@ -153,7 +159,7 @@ template <typename q_t, typename scalar_t, int BS, int D>
 void decode_item(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row,
                  int64_t len, int64_t kv_heads, int64_t group, double scale, q_t* out, Scratch& s,
                  const Walk<scalar_t>& next) {
-  attend<q_t, scalar_t, BS, D>(q, kc, vc, row, len, kv_heads, group, scale, s, next);
+  attend<q_t, scalar_t, BS, D>(q, kc, vc, row, len, kv_heads, group, scale, s, true, next);
   for (int64_t i = 0; i < kv_heads * group; ++i) {
     const float inv_sum = 1.f / s.sum[i];
     for (int c = 0; c < D / 16; ++c) {
@@ -278,7 +284,7 @@ struct Decode {
         attend<q_t, scalar_t, BS, D>(x.q + c.seq * x.q_stride, x.kc, x.vc,
                                      x.table + c.seq * x.max_blocks + c.n0,
                                      std::min(x.lens[c.seq], c.n1 * BS) - c.n0 * BS, x.KV,
-                                     x.group, x.scale, s);
+                                     x.group, x.scale, s, false);
         float* dst = partial.data() + item * width;
         std::copy_n(s.acc.data(), x.H * D, dst);
         std::copy_n(s.top.data(), x.H, dst + x.H * D);

@@ -78,7 +78,7 @@ inline void stream_line(const scalar_t* ahead, int64_t offset) {
 // Scores of G query heads (scaled, fp32, [G][D]) against NB blocks of keys, each
 // [D][BS], into scores[g * stride + j * BS + token] for block j: BS/16 vectors of
 // 16 tokens a block, each the sum over d of q[d] * K[d][16 tokens]. With `ahead`
-// (for each block j, the one kStreamAhead on; see streams_ahead), each line
+// (for each block j, the one stream_ahead_blocks on; see streams_ahead), each line
 // loaded asks for the line at the same place there.
 template <typename scalar_t, int BS, int D, int G, int NB>
 inline void block_scores(const float* q, const scalar_t* const* kblocks, float* scores,
@@ -215,18 +215,26 @@ inline void prefetch_ahead(const Walk<scalar_t>& walk, const Walk<scalar_t>& the
     prefetch_block(ahead, block);
 }
 
-// 16-bit K and V streamed from memory well below fp32's rate (presumably their
-// widening holds up the loads). Asking, as each line is loaded, for the line at
-// the same place kStreamAhead blocks on brings them close to it: one request a
-// line, spread over the walk. On Zen 5 whole blocks had not helped and lines
-// did; on the AMX Xeon lines read 16-bit caches at 1.4-1.6x the rate of whole
-// blocks (bench/NOTES.md). fp32's K and V streamed no faster for lines on Zen
-// 5, nor clearly on the AMX Xeon: Intel keeps whole blocks there.
-constexpr int64_t kStreamAhead = 8;
-
+// A walk's blocks come from memory faster where, as each line is loaded, it
+// asks for the line at the same place some blocks on: one request a line,
+// spread over the walk. 16-bit K and V streamed well below fp32's rate without
+// it (presumably their widening holds up the loads); on Zen 5 whole blocks had
+// not helped and lines did, and on the AMX Xeon lines read 16-bit caches at
+// 1.4-1.6x the rate of whole blocks. fp32 walks ask too where a thread walks
+// whole sequences (a batch of them) and does not ask for whole blocks (Intel
+// keeps those, prefetches_blocks): on Zen 5 their lines took a decode batch's
+// attention from 34-35 to 36-37 GB/s, where an earlier try had found no
+// difference; one stream's chunks were 0.5% slower with them (bench/NOTES.md).
 template <typename scalar_t>
-inline bool streams_ahead() {
-  return sizeof(scalar_t) == 2;
+inline bool streams_ahead(bool whole_sequences) {
+  return sizeof(scalar_t) == 2 || (whole_sequences && !prefetches_blocks<scalar_t>());
+}
+
+// How many blocks on those lines are: the same bytes ahead for either width
+// (8 blocks of 16-bit values, 4 of fp32), as measured best for each.
+template <typename scalar_t>
+constexpr int64_t stream_ahead_blocks() {
+  return sizeof(scalar_t) == 2 ? 8 : 4;
 }
 
 // block_scores for `heads` (1 to heads_per_pass) query heads, chosen at run

@@ -49,10 +49,11 @@ def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtyp
     least 4 sequences a thread (12 and 9 on 2 cores), an item is a whole
     sequence; otherwise the batch's blocks are cut into a run a thread, and the
     runs into chunks where sequences end, the chunks' softmax partials merged
-    after (1,000 tokens: 63 blocks of 16 in runs of 32 on 2 cores). Where a 16-bit
-    walk asks for lines blocks ahead (streams_ahead), the blocks asked for lie in
-    its own walk (300 tokens: 19 blocks of 16), in the values after the keys, or
-    in the next sequence's keys (70 tokens)."""
+    after (1,000 tokens: 63 blocks of 16 in runs of 32 on 2 cores). Where a walk
+    asks for lines blocks ahead (streams_ahead: 16-bit walks, and off Intel fp32
+    walks of whole sequences), the blocks asked for lie in its own walk (300
+    tokens: 19 blocks of 16), in the values after the keys, or in the next
+    sequence's keys (70 tokens)."""
     _check_decode(batch, heads, kv_heads, 64, max_len, dtype, block_size)
 
 
