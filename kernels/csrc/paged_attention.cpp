@@ -62,8 +62,8 @@ inline void softmax_heads(Scratch& s, int64_t heads, int64_t len, int64_t stride
 // `then`) where the walk asks for lines ahead (`ahead`: streams_ahead);
 // otherwise nullptr.
 template <int BS, int D, typename scalar_t>
-inline const scalar_t* head_ahead(bool ahead, const Walk<scalar_t>& walk, const Walk<scalar_t>& then,
-                                  int64_t n, int64_t h, int64_t block) {
+inline const scalar_t* head_ahead(bool ahead, const Walk<scalar_t>& walk,
+                                  const Walk<scalar_t>& then, int64_t n, int64_t h, int64_t block) {
   const scalar_t* b =
       ahead ? block_at(walk, then, n + stream_ahead_blocks<scalar_t>(), block) : nullptr;
   return b ? b + h * D * BS : nullptr;
