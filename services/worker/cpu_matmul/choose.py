@@ -92,7 +92,7 @@ def _choose(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> tuple[Make 
     # On Intel only with AVX-512 tiles: the AVX2 ones were never measured against
     # oneDNN's bf16 product.
     if dtype == torch.bfloat16 and (bf16_dot_gemm_available() or (
-            cpu_is_intel() and packed_gemm_available() and packed_gemm_tiles_avx512())):
+            cpu_is_intel() and packed_gemm_tiles_avx512())):
         return sixteen_bit_model_weights, PACKED_GEMM_PATH
     if dtype in (torch.bfloat16, torch.float16) and onednn_native(dtype):
         return onednn_weights, ONEDNN_PACKED_PATH
