@@ -41,27 +41,43 @@ inline __m512bh key_pairs(const at::BFloat16* row, __m512i interleave) {
 }
 
 // block_scores for a bf16 query (G heads, unscaled, as D / 2 pairs each) over NB
-// bf16 blocks of keys; the scale applied to the sums.
+// bf16 blocks of keys; the scale applied to the sums. A independent sums a score
+// (partial_sums), as the widening path takes them: with one block a pass its four
+// heads' sums alone left each multiply-add waiting on the one before.
+// Not inlined: inlined into a prefill item, GCC 12 kept the sums of one block a
+// pass on the stack, and each multiply-add waited on a store and a load of its
+// sum; the tails of one block a pass cost more than the passes of four
+// (bench/NOTES.md).
 template <int BS, int D, int G, int NB>
-inline void block_scores_pairs(const uint32_t* qpairs, float scale,
-                               const at::BFloat16* const* kblocks, float* scores, int64_t stride) {
+__attribute__((noinline)) void block_scores_pairs(const uint32_t* qpairs, float scale,
+                                                  const at::BFloat16* const* kblocks,
+                                                  float* scores, int64_t stride) {
+  constexpr int A = partial_sums<G, NB>();
+  static_assert(D % (2 * A) == 0, "head_dim: whole steps of A pairs");
   const __m512i interleave = pair_interleave();
   for (int c = 0; c < BS; c += 16) {
-    __m512 acc[G][NB];
+    __m512 acc[G][NB][A];
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < NB; ++j) acc[g][j] = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 2) {
-      __m512bh k[NB];
-      for (int j = 0; j < NB; ++j) k[j] = key_pairs<BS>(kblocks[j] + d * BS + c, interleave);
-      for (int g = 0; g < G; ++g) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(qpairs[g * D / 2 + d / 2]);
-        for (int j = 0; j < NB; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], x, k[j]);
+      for (int j = 0; j < NB; ++j)
+        for (int a = 0; a < A; ++a) acc[g][j][a] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 2 * A) {
+      for (int a = 0; a < A; ++a) {
+        __m512bh k[NB];
+        for (int j = 0; j < NB; ++j)
+          k[j] = key_pairs<BS>(kblocks[j] + (d + 2 * a) * BS + c, interleave);
+        for (int g = 0; g < G; ++g) {
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(qpairs[g * D / 2 + d / 2 + a]);
+          for (int j = 0; j < NB; ++j) acc[g][j][a] = _mm512_dpbf16_ps(acc[g][j][a], x, k[j]);
+        }
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < NB; ++j)
+      for (int j = 0; j < NB; ++j) {
+        __m512 sum = acc[g][j][0];
+        for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[g][j][a]);
         _mm512_storeu_ps(scores + g * stride + j * BS + c,
-                         _mm512_mul_ps(acc[g][j], _mm512_set1_ps(scale)));
+                         _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+      }
   }
 }
 
