@@ -324,14 +324,34 @@ inline float sum16(vf16 v) {
 // ~fp32's max), N lanes at once: Cephes' expf polynomial on x - n ln2, scaled
 // by 2^n through the exponent bits. Written on vectors because GCC left a scalar
 // version scalar inside reduction loops (the softmax's sum).
+// With AVX-512 the clamp, the floor and the scaling are one instruction each
+// (min/max, VRNDSCALEPS, VSCALEFPS) where the generic code took two to four:
+// the same values, and a decode's softmax, whose exps were a sixth of its
+// attention's time warm, takes less (bench/NOTES.md).
 template <int N>
 inline typename Lanes<N>::f fast_exp(typename Lanes<N>::f x) {
   using vf = typename Lanes<N>::f;
   using vi = typename Lanes<N>::i;
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const vf t = x * 1.44269504088896341f + 0.5f;
-  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-  n = n > t ? n - 1.0f : n;  // truncation to floor
+#if defined(__AVX512F__)
+  constexpr bool kAvx512 = N == 16;
+#else
+  constexpr bool kAvx512 = false;
+#endif
+  vf n, t;
+  if constexpr (kAvx512) {
+#if defined(__AVX512F__)
+    // max(-87, x) and min(88, .) keep a NaN x, as the comparisons below do.
+    x = (vf)_mm512_min_ps(_mm512_set1_ps(88.0f),
+                          _mm512_max_ps(_mm512_set1_ps(-87.0f), (__m512)x));
+    t = x * 1.44269504088896341f + 0.5f;
+    n = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#endif
+  } else {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    t = x * 1.44269504088896341f + 0.5f;
+    n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+    n = n > t ? n - 1.0f : n;  // truncation to floor
+  }
   const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
   vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -339,6 +359,11 @@ inline typename Lanes<N>::f fast_exp(typename Lanes<N>::f x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+  if constexpr (kAvx512) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);
+#endif
+  }
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   return p * (vf)bits;
 }
