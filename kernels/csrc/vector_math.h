@@ -320,60 +320,53 @@ inline float sum16(vf16 v) {
 #endif
 }
 
-// e^x within 2 ulp for x in [-87, 88] (clamped outside: e^-87 is ~0 and e^88
-// ~fp32's max), N lanes at once: Cephes' expf polynomial on x - n ln2, scaled
-// by 2^n through the exponent bits. Written on vectors because GCC left a scalar
-// version scalar inside reduction loops (the softmax's sum).
-// With AVX-512 the clamp, the floor and the scaling are one instruction each
-// (min/max, VRNDSCALEPS, VSCALEFPS) where the generic code took two to four:
-// the same values, and a decode's softmax, whose exps were a sixth of its
-// attention's time warm, takes less (bench/NOTES.md).
-template <int N>
-inline typename Lanes<N>::f fast_exp(typename Lanes<N>::f x) {
-  using vf = typename Lanes<N>::f;
-  using vi = typename Lanes<N>::i;
-#if defined(__AVX512F__)
-  constexpr bool kAvx512 = N == 16;
-#else
-  constexpr bool kAvx512 = false;
-#endif
-  vf n, t;
-  if constexpr (kAvx512) {
-#if defined(__AVX512F__)
-    // max(-87, x) and min(88, .) keep a NaN x, as the comparisons below do.
-    x = (vf)_mm512_min_ps(_mm512_set1_ps(88.0f),
-                          _mm512_max_ps(_mm512_set1_ps(-87.0f), (__m512)x));
-    t = x * 1.44269504088896341f + 0.5f;
-    n = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-#endif
-  } else {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    t = x * 1.44269504088896341f + 0.5f;
-    n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-    n = n > t ? n - 1.0f : n;  // truncation to floor
-  }
+// e^(x - n ln2) for n = floor(x / ln2 + 1/2): Cephes' expf polynomial, fast_exp's
+// body for any vector of floats.
+template <typename vf>
+inline vf exp_of_remainder(vf x, vf n) {
   const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
   vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  if constexpr (kAvx512) {
-#if defined(__AVX512F__)
-    return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);
-#endif
-  }
+  return p * r * r + r + 1.0f;
+}
+
+// e^x within 2 ulp for x in [-87, 88] (clamped outside: e^-87 is ~0 and e^88
+// ~fp32's max), N lanes at once: Cephes' expf polynomial on x - n ln2, scaled
+// by 2^n through the exponent bits. Written on vectors because GCC left a scalar
+// version scalar inside reduction loops (the softmax's sum).
+template <int N>
+inline typename Lanes<N>::f fast_exp(typename Lanes<N>::f x) {
+  using vf = typename Lanes<N>::f;
+  using vi = typename Lanes<N>::i;
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const vf t = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+  n = n > t ? n - 1.0f : n;  // truncation to floor
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * (vf)bits;
+  return exp_of_remainder(x, n) * (vf)bits;
+}
+
+#if defined(__AVX512F__)
+// fast_exp<16> with the clamp, the floor and the scaling one instruction each
+// (min/max, VRNDSCALEPS, VSCALEFPS) where the generic code takes two to four:
+// the same values. A decode's softmax was a sixth of its attention's time
+// warm, and SiLU runs in the gate_up GEMM's pass (bench/NOTES.md).
+inline vf16 fast_exp16(vf16 x) {
+  // max(-87, x), then min(88, .): a NaN x stays NaN, as fast_exp's comparisons keep it.
+  x = (vf16)_mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), (__m512)x));
+  const __m512 t = (__m512)(x * 1.44269504088896341f + 0.5f);
+  const vf16 n = (vf16)_mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  return (vf16)_mm512_scalef_ps((__m512)exp_of_remainder(x, n), (__m512)n);
 }
 
 // where_greater: lane-wise, where a > b, x; elsewhere y.
-#if defined(__AVX512F__)
-inline vf16 fast_exp16(vf16 x) { return fast_exp<16>(x); }
 inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) { return a > b ? x : y; }
 #else
 inline vf16 fast_exp16(vf16 x) { return {fast_exp<8>(x.lo), fast_exp<8>(x.hi)}; }
+// where_greater: lane-wise, where a > b, x; elsewhere y.
 inline vf16 where_greater(vf16 a, vf16 b, vf16 x, vf16 y) {
   return {a.lo > b.lo ? x.lo : y.lo, a.hi > b.hi ? x.hi : y.hi};
 }
