@@ -108,6 +108,17 @@ void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>&
   }
 }
 
+// Blocks a decode's key pass takes. With AVX-512, one: a pass over four blocks
+// reads a KV head's part of each in turn (four streams a block apart), and on
+// Zen 5 that read memory 10-15% slower than one block's KV heads in order
+// (one stream), bf16 and fp32, where a sequence's blocks are adjacent, as the
+// engine allocates them (bench/NOTES.md). AVX2 keeps blocks_per_pass (two), as
+// measured there.
+template <int most>
+constexpr int decode_blocks_per_pass() {
+  return llmserve::kVectorRegisters >= 32 ? 1 : blocks_per_pass<most>();
+}
+
 // Every query head of one sequence against its `len` tokens in blocks row[0],
 // row[1], ...: one walk over the key blocks and one over the value blocks; the
 // keys of the walk to follow (`next`, none when its blocks are 0) are asked for
@@ -123,7 +134,7 @@ template <typename q_t, typename scalar_t, int BS, int D>
 void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row, int64_t len,
             int64_t kv_heads, int64_t group, double scale, Scratch& s, bool whole_sequence,
             const Walk<scalar_t>& next = {}) {
-  constexpr int most = heads_per_pass<D>(), NB = blocks_per_pass<most>();
+  constexpr int most = heads_per_pass<D>(), NB = decode_blocks_per_pass<most>();
   const int64_t heads = kv_heads * group, num_blocks = (len + BS - 1) / BS;
   const int64_t stride = num_blocks * BS, block = kv_heads * D * BS;
   s.q.ensure(heads * D);

@@ -80,6 +80,9 @@ inline void stream_line(const scalar_t* ahead, int64_t offset) {
 // 16 tokens a block, each the sum over d of q[d] * K[d][16 tokens]. With `ahead`
 // (for each block j, the one stream_ahead_blocks on; see streams_ahead), each line
 // loaded asks for the line at the same place there.
+// The loops over the sums are unrolled by pragma: left to GCC 12, one block a
+// pass (A = 4 sums a score) kept its sums on the stack, and a decode read 7%
+// slower for it (bench/NOTES.md).
 template <typename scalar_t, int BS, int D, int G, int NB>
 inline void block_scores(const float* q, const scalar_t* const* kblocks, float* scores,
                          int64_t stride, const scalar_t* const* ahead = nullptr) {
@@ -87,13 +90,16 @@ inline void block_scores(const float* q, const scalar_t* const* kblocks, float* 
   for (int c = 0; c < BS; c += 16) {
     vf16 acc[G][NB][A] = {};
     for (int d = 0; d < D; d += A) {
+#pragma GCC unroll 8
       for (int a = 0; a < A; ++a) {
         vf16 k[NB];
         for (int j = 0; j < NB; ++j)
           k[j] = llmserve::in_register(load16(kblocks[j] + (d + a) * BS + c));
         for (int j = 0; ahead && j < NB; ++j) stream_line(ahead[j], (d + a) * BS + c);
+#pragma GCC unroll 8
         for (int g = 0; g < G; ++g) {
           const float x = q[g * D + d + a];
+#pragma GCC unroll 8
           for (int j = 0; j < NB; ++j) acc[g][j][a] += x * k[j];
         }
       }
