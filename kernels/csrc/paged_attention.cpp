@@ -109,10 +109,10 @@ void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>&
 }
 
 // Blocks a decode's key pass takes. With AVX-512, one: a pass over four blocks
-// reads a KV head's part of each in turn (four streams a block apart), and on
-// Zen 5 that read memory 10-15% slower than one block's KV heads in order
-// (one stream), bf16 and fp32, where a sequence's blocks are adjacent, as the
-// engine allocates them (bench/NOTES.md). AVX2 keeps blocks_per_pass (two), as
+// reads a KV head's part of each in turn (four streams a block apart); on a
+// Zen 5, one block's KV heads in order (one stream) read memory 8-11% faster,
+// bf16 and fp32, where a sequence's blocks are adjacent, as the engine
+// allocates them (bench/NOTES.md). AVX2 keeps blocks_per_pass (two), as
 // measured there.
 template <int most>
 constexpr int decode_blocks_per_pass() {

@@ -81,7 +81,7 @@ inline void stream_line(const scalar_t* ahead, int64_t offset) {
 // (for each block j, the one stream_ahead_blocks on; see streams_ahead), each line
 // loaded asks for the line at the same place there.
 // The loops over the sums are unrolled by pragma: left to GCC 12, one block a
-// pass (A = 4 sums a score) kept its sums on the stack, and a decode read 7%
+// pass (A = 4 sums a score) kept its sums on the stack, and a decode read 7-9%
 // slower for it (bench/NOTES.md).
 template <typename scalar_t, int BS, int D, int G, int NB>
 inline void block_scores(const float* q, const scalar_t* const* kblocks, float* scores,
