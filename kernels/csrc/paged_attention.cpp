@@ -69,17 +69,29 @@ inline const scalar_t* head_ahead(bool ahead, const Walk<scalar_t>& walk,
   return b ? b + h * D * BS : nullptr;
 }
 
+// Whether a decode walks its keys and its values one block at a time, each
+// block's KV heads in order: with AVX-512, off Intel. Passes over several blocks
+// read a KV head's part of each in turn (streams a block apart); on a Zen 5,
+// where a sequence's blocks are adjacent (as the engine allocates them), one
+// block a pass read memory 8-11% faster for the keys (against four) and 8-10%
+// for the values (against two), bf16 and fp32 (bench/NOTES.md). On the AMX Xeon
+// keys four blocks a pass and values two had read faster than one; AVX2 keeps
+// two blocks a key pass, as measured there.
+inline bool walks_block_by_block() {
+  return llmserve::kVectorRegisters >= 32 && !llmserve::cpu_is_intel();
+}
+
 // acc += p V for every query head over the value blocks, where `s` holds each
 // head's exp(score - top): two blocks a pass where the pass's sums fit the
-// registers twice (values_pair_of; faster from memory than one block a pass on
-// the AMX Xeon, bench/NOTES.md), the rest one at a time.
+// registers twice (values_pair_of) and the walk is not block by block, the
+// rest one at a time.
 template <typename scalar_t, int BS, int D>
 void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>& next, int64_t len,
                  int64_t kv_heads, int64_t group, bool ahead) {
   constexpr int most = heads_per_pass<D>();
   const int64_t stride = values.blocks * BS, block = kv_heads * D * BS;
   const bool prefetch = prefetches_blocks<scalar_t>();
-  const bool pairs = std::min<int64_t>(most, group) <= pair_heads<D>();
+  const bool pairs = !walks_block_by_block() && std::min<int64_t>(most, group) <= pair_heads<D>();
   int64_t n = 0;
   for (; pairs && n + 2 <= values.blocks; n += 2) {
     for (int j = 0; prefetch && j < 2; ++j) prefetch_ahead(values, next, n + j, block);
@@ -108,17 +120,6 @@ void walk_values(Scratch& s, const Walk<scalar_t>& values, const Walk<scalar_t>&
   }
 }
 
-// Blocks a decode's key pass takes. With AVX-512, one: a pass over four blocks
-// reads a KV head's part of each in turn (four streams a block apart); on a
-// Zen 5, one block's KV heads in order (one stream) read memory 8-11% faster,
-// bf16 and fp32, where a sequence's blocks are adjacent, as the engine
-// allocates them (bench/NOTES.md). AVX2 keeps blocks_per_pass (two), as
-// measured there.
-template <int most>
-constexpr int decode_blocks_per_pass() {
-  return llmserve::kVectorRegisters >= 32 ? 1 : blocks_per_pass<most>();
-}
-
 // Every query head of one sequence against its `len` tokens in blocks row[0],
 // row[1], ...: one walk over the key blocks and one over the value blocks; the
 // keys of the walk to follow (`next`, none when its blocks are 0) are asked for
@@ -134,7 +135,7 @@ template <typename q_t, typename scalar_t, int BS, int D>
 void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* row, int64_t len,
             int64_t kv_heads, int64_t group, double scale, Scratch& s, bool whole_sequence,
             const Walk<scalar_t>& next = {}) {
-  constexpr int most = heads_per_pass<D>(), NB = decode_blocks_per_pass<most>();
+  constexpr int most = heads_per_pass<D>(), NB = blocks_per_pass<most>();
   const int64_t heads = kv_heads * group, num_blocks = (len + BS - 1) / BS;
   const int64_t stride = num_blocks * BS, block = kv_heads * D * BS;
   s.q.ensure(heads * D);
@@ -146,7 +147,7 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
   const bool prefetch = prefetches_blocks<scalar_t>();
   const bool ahead = streams_ahead<scalar_t>(whole_sequence);
   const Walk<scalar_t> keys{kc, row, num_blocks}, values{vc, row, num_blocks};
-  in_block_groups<NB>(num_blocks, [&](int64_t n, auto count) {
+  const auto key_pass = [&](int64_t n, auto count) {
     constexpr int nb = decltype(count)::value;
     for (int j = 0; prefetch && j < nb; ++j) prefetch_ahead(keys, values, n + j, block);
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -159,7 +160,11 @@ void attend(const q_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t*
             std::min<int64_t>(most, group - g), s.q.data() + (h * group + g) * D, kblocks,
             s.scores.data() + (h * group + g) * stride + n * BS, stride, g == 0 ? kahead : nullptr);
     }
-  });
+  };
+  if (walks_block_by_block())
+    in_block_groups<1>(num_blocks, key_pass);
+  else
+    in_block_groups<NB>(num_blocks, key_pass);
   softmax_heads(s, heads, len, stride);
   walk_values<scalar_t, BS, D>(s, values, next, len, kv_heads, group, ahead);
 }

@@ -45,8 +45,9 @@ def test_write_kv_cache_equals_reference(block_size, dtype):
 def test_decode_attention_equals_reference(batch, heads, kv_heads, max_len, dtype, block_size):
     """Every block size the kernel is built for. Groups of 1, 3, 4 and 8 query
     heads per KV head: one pass, or two passes of 4 heads. Keys are scored a
-    block at a time with AVX-512, two blocks at a time and then one with AVX2
-    (test_avx2_kernels; 70 tokens: 2 + 2 + 1 blocks of 16). With at
+    block at a time with AVX-512 off Intel, four blocks at a time and then one
+    on Intel (70 tokens: 4 + 1 blocks of 16), two and then one with AVX2
+    (test_avx2_kernels: 2 + 2 + 1). With at
     least 4 sequences a thread (12 and 9 on 2 cores), an item is a whole
     sequence; otherwise the batch's blocks are cut into a run a thread, and the
     runs into chunks where sequences end, the chunks' softmax partials merged
