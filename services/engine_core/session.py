@@ -8,18 +8,21 @@ its last output; the steps that serve it link to that span.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import grpc
 from opentelemetry import trace
 
 from services.common import convert, tracing
-from services.common.errors import LLMServeError, request_id_in_use
+from services.common.errors import LLMServeError, error_with_status, request_id_in_use
 from services.common.pb import engine_core_pb2
-from services.common.request_types import EngineCoreOutput, EngineCoreRequest
+from services.common.request_types import EngineCoreOutput
 from services.engine_core.engine_loop import EngineLoop
 from services.engine_core.request_spans import record_phase_spans
 
+logger = logging.getLogger(__name__)
 _tracer = tracing.tracer(__name__)
 
 
@@ -103,22 +106,27 @@ class EngineSession:
             attributes={"gen_ai.request.id": request_id})
         request.trace_headers = tracing.span_headers(span)  # the steps link to this span
         self._live[request_id] = _LiveRequest(span, len(request.prompt_token_ids))
-        self._adding[request_id] = asyncio.create_task(self._add_to_engine(request))
+        adding = asyncio.create_task(self.engine.add_request(request, self))
+        adding.add_done_callback(lambda task: self._added(request_id, task))
+        self._adding[request_id] = adding
 
-    async def _add_to_engine(self, request: EngineCoreRequest) -> None:
-        try:
-            await self.engine.add_request(request, self)
-        except LLMServeError as e:
-            self.fail([request.request_id], e)
-        except asyncio.CancelledError:
-            # Aborted on its way in: the abort may have reached the engine first.
-            # If the request got in anyway, this abort (queued after it) ends it.
-            self.engine.abort_soon([request.request_id])
-            live = self._live.pop(request.request_id, None)
+    def _added(self, request_id: str, task: asyncio.Task) -> None:
+        """The add's outcome. A done callback, not the task's own except: a task
+        cancelled before it began never runs its code, and its request would stay
+        live here (and its id taken) for good."""
+        self._adding.pop(request_id, None)
+        if task.cancelled():
+            # Aborted on its way in. If it got in anyway, the abort that cancelled
+            # it (queued after the add) ends it in the engine.
+            live = self._live.pop(request_id, None)
             if live is not None:
                 live.span.end()
-        finally:
-            self._adding.pop(request.request_id, None)
+        elif (error := task.exception()) is not None:
+            if not isinstance(error, LLMServeError):  # a bug: log it, and end the request
+                logger.error("adding request %s failed", request_id, exc_info=error)
+                error = error_with_status(grpc.StatusCode.INTERNAL,
+                                          f"the engine core failed to add the request: {error}")
+            self.fail([request_id], error)
 
 
 def spec_decode_attributes(last: EngineCoreOutput) -> dict:

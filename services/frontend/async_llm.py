@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -34,6 +35,16 @@ from services.frontend.processor import ChatMessage, Processor
 logger = logging.getLogger(__name__)
 _tracer = tracing.tracer(__name__)
 MAX_REQUEST_ID_CHARS = 256
+
+
+def engine_request_id(request_id: str) -> str:
+    """The id the engine core knows a request by: the caller's, made unique (as
+    vLLM's internal request ids are). A caller may reuse its id the moment its
+    request ends here, while the engine core has yet to hear of that end (the
+    abort on its way there, the last output on its way back): the two
+    incarnations must not be taken for one another, or an old abort ends the new
+    request, or an old output ends its stream here while it runs on unread."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass
@@ -113,7 +124,7 @@ class AsyncLLM:
                 lora = self.loras.get(options.lora_name)
                 prompt_ids = await self.tokenize(prompt)
                 engine_requests = self.processor.make_requests(
-                    request_id, prompt_ids, params, tracing.current_trace_headers(),
+                    engine_request_id(request_id), prompt_ids, params, tracing.current_trace_headers(),
                     options.priority, lora, options.beam_search)
                 beams = options.beam_search
                 state = self.output_processor.add_request(
@@ -191,8 +202,9 @@ class AsyncLLM:
         check_embed_inputs(inputs)
         lora = self.loras.get(options.lora_name)
         ids = [await self.tokenize(p) for p in inputs]
+        engine_id = engine_request_id(request_id)
         return [self.processor.make_pooling_request(
-            request_id if len(ids) == 1 else f"{request_id}-{i}", prompt_ids, params,
+            engine_id if len(ids) == 1 else f"{engine_id}-{i}", prompt_ids, params,
             tracing.current_trace_headers(), options.priority, lora)
             for i, prompt_ids in enumerate(ids)]
 

@@ -71,6 +71,26 @@ def test_duplicate_live_request_id_is_already_exists(stack, client):
     assert collect(client.generate(PROMPT, request_id="dup", max_tokens=2))[-1].usage.completion_tokens == 2
 
 
+def test_an_id_reused_the_moment_its_request_was_cut_starts_a_new_request(stack, client):
+    """Back-to-back requests under one id, each cut by its deadline: each is a
+    request of its own. The engine core knew them by that same id once, and the
+    last output of one (its ABORT) ended the next one's stream, which then ran on
+    in the engine unread, holding its KV blocks (found by the fuzz test)."""
+    codes = []
+    for _ in range(30):
+        try:
+            collect(client.generate(PROMPT, request_id="reused", max_tokens=10**6,
+                                    ignore_eos=True, timeout=0.3))
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+    # ALREADY_EXISTS: the frontend had yet to see the last call's end; never OK
+    # (finished early by another's output).
+    assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS}
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= 10, codes
+    wait_all_blocks_free(stack)
+
+
 def test_full_waiting_queue_is_resource_exhausted_and_harms_nobody(stack, client):
     def start(n):
         return [client.generate(f"{i} {PROMPT}", max_tokens=2000, ignore_eos=True)

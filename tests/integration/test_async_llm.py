@@ -80,7 +80,19 @@ def test_choices_merge_and_a_stop_string_aborts_its_engine_request(processor):
     [final] = outputs
     assert [c.text for c in final.outputs] == [" one two three", " red"]
     assert final.outputs[1].stop_reason == " green" and final.finished
-    assert engine.aborted == ["r-1"]
+    [aborted] = engine.aborted
+    assert aborted.startswith("r-") and aborted.endswith("-1")
+
+
+def test_the_engine_knows_each_request_by_an_id_of_its_own(processor):
+    """The caller's id, made unique: a caller may reuse it as soon as a request
+    ends, before the engine core has heard of that end."""
+    engine = ScriptedEngine(lambda rid: ([5, 6], False))
+    llm = AsyncLLM(engine, processor, "m")
+    for _ in range(2):
+        collect(llm, PromptInput(prompt="x"), SamplingParams(max_tokens=2), "caller-id")
+    first, second = engine.closed
+    assert first != second and first.startswith("caller-id-") and second.startswith("caller-id-")
 
 
 def test_a_failing_choice_fails_the_request_and_closes_the_others(processor):
@@ -88,7 +100,7 @@ def test_a_failing_choice_fails_the_request_and_closes_the_others(processor):
     llm = AsyncLLM(engine, processor, "m")
     with pytest.raises(ResourceExhausted):
         collect(llm, PromptInput(prompt="x"), SamplingParams(n=3, max_tokens=4))
-    assert sorted(engine.closed) == ["r-0", "r-1", "r-2"]
+    assert sorted(c[-2:] for c in engine.closed) == ["-0", "-1", "-2"]
     assert not llm.output_processor.requests  # nothing left tracked
 
 

@@ -16,6 +16,7 @@ from services.common.request_types import EngineCoreRequest, SamplingParams
 from services.engine_core.engine_core import EngineCore
 from services.engine_core.engine_loop import EngineLoop
 from services.engine_core.servicer import EngineCoreServicer
+from services.engine_core.session import EngineSession
 from services.frontend.engine_client import GrpcEngineClient
 from tests.unit.fake_executor import FakeExecutor, reference_tokens
 from tests.waiting import until
@@ -148,6 +149,36 @@ def test_leaving_a_request_or_closing_the_session_aborts_it(how):
             assert len(await _tokens(client, _request(1))) == 6
             await client.close()
     _run(test)
+
+
+def test_an_add_aborted_before_its_task_ran_leaves_its_id_free():
+    """The abort right behind its add, read before the add's task first ran: the
+    request never starts, and its id is free again at once (it stayed taken)."""
+    async def test(engine, address):
+        session = EngineSession(engine)
+        add = engine_core_pb2.SessionRequest(add=convert.engine_core_request_to_proto(
+            _request(0)))
+        abort = engine_core_pb2.SessionRequest(abort=engine_core_pb2.AbortRequest(
+            request_ids=["r0"]))
+        await session.take(_messages(add, abort))
+        await asyncio.sleep(0.05)  # the cancelled add's callback, and a loop pass
+        assert engine.num_in_flight() == 0 and not engine.core.has_work()
+        await session.take(_messages(add))
+        outputs, tokens = session.outputs(), []
+        while not (tokens and tokens[-1].HasField("finish_reason")):
+            message = await asyncio.wait_for(anext(outputs), 10)
+            assert not any(o.HasField("error") for o in message.outputs), message
+            tokens.extend(message.outputs)
+        assert [t for o in tokens for t in o.new_token_ids] == reference_tokens(
+            [10] * 3, 6, set(), MAX_MODEL_LEN)
+        session.close()
+    _run(test)
+
+
+async def _messages(*messages):
+    """A stream's messages, each read without a pass of the event loop between."""
+    for message in messages:
+        yield message
 
 
 async def _until_idle(engine: EngineLoop) -> None:
