@@ -124,8 +124,8 @@ class AsyncLLM:
                 lora = self.loras.get(options.lora_name)
                 prompt_ids = await self.tokenize(prompt)
                 engine_requests = self.processor.make_requests(
-                    engine_request_id(request_id), prompt_ids, params, tracing.current_trace_headers(),
-                    options.priority, lora, options.beam_search)
+                    engine_request_id(request_id), prompt_ids, params,
+                    tracing.current_trace_headers(), options.priority, lora, options.beam_search)
                 beams = options.beam_search
                 state = self.output_processor.add_request(
                     request_id, prompt.prompt, prompt_ids, params,
