@@ -283,7 +283,9 @@ def test_sixteen_bit_weights_serve_few_rows_and_fp32_weights_the_rest():
 
 def test_sixteen_bit_models_take_this_cpus_path():
     """AMX where the CPU has it; on Intel without it our packed GEMM on the bf16
-    weights; elsewhere oneDNN where it computes bf16 natively, else our packed GEMM
+    weights where its tiles are AVX-512's (AVX2 ones never raced oneDNN there: an
+    Intel host's AVX2 build takes oneDNN); elsewhere oneDNN where it computes bf16
+    natively, else our packed GEMM
     (on an AMD EPYC Zen 3, with AVX2 only, 3.6x F.linear's rate at 8 rows and 7x at
     64: bench/NOTES.md)."""
     model = Tiny().to(torch.bfloat16)
@@ -299,7 +301,8 @@ def test_sixteen_bit_models_take_this_cpus_path():
         assert model.a.cpu_weights.max_rows == GEMV_OVER_AMX_ROWS
         assert isinstance(model.a.cpu_weights.many, AMXWeights)
         assert isinstance(model.head.cpu_weights.many, OneDNNWeights)
-    elif bf16_dot_gemm_available() or cpu_is_intel() or not native:
+    elif (bf16_dot_gemm_available() or (cpu_is_intel() and kernels_built_for_avx512())
+          or not native):
         rows = choose.bf16_packed_gemv_rows()
         assert path == f"{PACKED_GEMM_PATH}, our GEMV for <= {rows} rows"
         assert isinstance(model.a.cpu_weights.many, PackedGemmWeights)
