@@ -61,7 +61,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await server.serve_until_signal()
     finally:
-        engine.shutdown()
+        await engine.shutdown()
 
 
 def _metrics(args: argparse.Namespace, core: EngineCore) -> EngineCoreMetrics | None:

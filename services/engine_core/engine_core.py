@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from services.common import tracing
 from services.common.config import EngineConfig
@@ -157,12 +157,28 @@ class EngineCore:
         stays in flight, so the workers find it queued when they finish the one
         before: the first call of a run returns []. When nothing could be sent
         (every request is in flight), the oldest step is waited for."""
+        outputs = []
+        for step in self._send_and_take_due():
+            outputs += self._receive(step)
+        return outputs
+
+    async def step_async(self) -> list[EngineCoreOutput]:
+        """step() for an executor whose steps' outputs arrive on the running event
+        loop: each output is awaited there rather than blocked on, so that the
+        loop serves the engine core's clients meanwhile."""
+        outputs = []
+        for step in self._send_and_take_due():
+            await step.pending.wait()
+            outputs += self._receive(step)
+        return outputs
+
+    def _send_and_take_due(self) -> Iterator[_StepInFlight]:
+        """Schedules and sends a step, then yields the oldest steps in flight, one
+        at a time, until fewer than queue_depth() are left."""
         sent = self._send(self.scheduler.schedule())
         keep = self.queue_depth() - 1 if sent else max(0, self._num_awaited() - 1)
-        outputs = []
         while self._num_awaited() > keep:
-            outputs += self._receive(self._in_flight.popleft())
-        return outputs
+            yield self._in_flight.popleft()
 
     def queue_depth(self) -> int:
         """Steps that may be in flight at once. Pipeline parallelism: one batch per

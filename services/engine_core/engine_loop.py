@@ -1,16 +1,17 @@
-"""EngineLoop: runs an EngineCore in a busy-loop thread and streams outputs to asyncio.
+"""EngineLoop: runs an EngineCore as an asyncio task and streams its outputs.
 
-The thread owns the EngineCore; other threads talk to it only through the inbox.
-It blocks on the inbox when there is no work, and otherwise steps as fast as the
+The task owns the EngineCore; callers talk to it only through the inbox. It
+waits on the inbox when there is no work, and otherwise steps as fast as the
 workers go, taking new requests and aborts between steps.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import collections
+import contextvars
 import copy
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ import grpc
 from typing import AsyncIterator, Callable, Protocol
 
 from services.common.errors import FailedPrecondition, LLMServeError, Unavailable
-from services.common.futures import run_into_future
 from services.common.lora import LoRARequest
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
 from services.engine_core.engine_core import EngineCore
@@ -59,22 +59,32 @@ class _RequestStream:
 
 
 class EngineLoop:
+    """Runs the EngineCore as a task on the event loop of its first caller (the
+    served engine core's). Between steps it takes the calls queued in its inbox;
+    while a step's output travels it awaits it, so the loop serves the clients
+    meanwhile, with no thread handing outputs over. Steps of executors whose
+    workers run inside the call, and the calls that block (adapters, recovery,
+    shutdown), run on one thread of their own while the task awaits them."""
+
     def __init__(self, core: EngineCore, metrics: EngineCoreMetrics | None = None):
         self.core = core
         if metrics is not None:
             core.on_step_done = metrics.observe_step
             core.on_step_sent = metrics.observe_step_sent
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._sinks: dict[str, OutputSink] = {}  # by request id; loop thread only
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._sinks: dict[str, OutputSink] = {}  # by request id; the task only
         self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None  # set: the inbox has calls
+        self._blocking = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine-core-blocking")
         # A thread per compile in flight, each waiting on a compiler's child process.
         self._grammar_threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=MAX_CHILDREN, thread_name_prefix="grammar-compile")
         self.draining = False  # shutting down: new requests are refused
-        self._thread = threading.Thread(target=self._run, name="engine-core-loop", daemon=True)
-        self._thread.start()
 
-    # ---- asyncio side ------------------------------------------------------------
+    # ---- the callers' side ---------------------------------------------------------
 
     async def add_request(self, request: EngineCoreRequest, sink: OutputSink) -> None:
         """Adds the request; its outputs go to sink until one is finished."""
@@ -97,7 +107,7 @@ class EngineLoop:
                 self.abort_soon([request.request_id])
 
     async def _compile_grammar(self, request: EngineCoreRequest):
-        """A structured-outputs request's grammar, compiled off the loop thread (in
+        """A structured-outputs request's grammar, compiled off the event loop (in
         a child process, within the time limit), so that a slow compile holds up
         neither the other requests' steps nor their compiles. A caller that
         leaves stops its compile."""
@@ -113,10 +123,10 @@ class EngineLoop:
             raise
 
     async def add_lora(self, lora: LoRARequest) -> None:
-        await self._call(lambda: self.core.add_lora(lora))
+        await self._call(lambda: self.core.add_lora(lora), blocking=True)
 
     async def remove_lora(self, name: str) -> None:
-        await self._call(lambda: self.core.remove_lora(name))
+        await self._call(lambda: self.core.remove_lora(name), blocking=True)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._call(lambda: self._abort(request_ids))
@@ -124,7 +134,7 @@ class EngineLoop:
     def abort_soon(self, request_ids: list[str]) -> None:
         """Aborts between the next steps, after everything queued before it (an add
         queued earlier included), without waiting."""
-        self._inbox.put(lambda: self._abort(request_ids))
+        self._put(lambda: self._abort(request_ids))
 
     async def reset_prefix_cache(self) -> None:
         if not await self._call(self.core.reset_prefix_cache):
@@ -134,27 +144,57 @@ class EngineLoop:
         self.draining = True
 
     def num_in_flight(self) -> int:
-        # A read of a dict the loop thread changes: its size is enough here.
         return len(self._sinks)
 
     def stats(self) -> EngineStats:
-        # Plain reads of counters the loop thread updates; no lock needed.
+        # Plain reads of counters that steps run elsewhere may update: no lock needed.
         return self.core.stats()
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """Stops after the step in progress, then shuts the core down."""
         self._stopped = True  # also ends a wait for workers to recover
-        self._inbox.put(self._stop)
-        self._thread.join(timeout=30)
+        if self._task is not None and not self._task.done():
+            self._wake.set()
+            await asyncio.wait([self._task], timeout=30)
+        await asyncio.get_running_loop().run_in_executor(self._blocking, self.core.shutdown)
+        self._blocking.shutdown(wait=False)
         self._grammar_threads.shutdown(wait=False, cancel_futures=True)
-        self.core.shutdown()
 
-    async def _call(self, fn: Callable[[], object]) -> object:
-        """Runs fn on the loop thread between steps and returns its result."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(lambda: run_into_future(future, fn))
-        return await asyncio.wrap_future(future)
+    async def _call(self, fn: Callable[[], object], blocking: bool = False) -> object:
+        """Runs fn between steps and returns its result; a blocking fn on the
+        blocking thread, the task awaiting it."""
+        future = asyncio.get_running_loop().create_future()
 
-    # ---- loop thread -------------------------------------------------------------
+        def call() -> None:
+            if future.done():  # the caller left: fn does not run
+                return
+            try:
+                result, error = fn(), None
+            except Exception as e:
+                result, error = None, e
+            _call_soon(future.get_loop(), _set_unless_done, future, result, error)
+        self._put(self._run_blocking(call) if blocking else call)
+        return await future
+
+    def _put(self, call) -> None:
+        """Queues a call for the task (a coroutine function if it blocks),
+        starting the task on the first one (on its caller's event loop)."""
+        if self._task is None or self._task.done():  # the first call, or its loop ended
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            # In a context of its own, not its first caller's: its step spans
+            # would otherwise be children of that request's span.
+            self._task = self._loop.create_task(self._run(), name="engine-core-loop",
+                                                context=contextvars.Context())
+        self._inbox.append(call)
+        self._wake.set()
+
+    def _run_blocking(self, call: Callable[[], None]):
+        async def run() -> None:
+            await self._loop.run_in_executor(self._blocking, call)
+        return run
+
+    # ---- the task ------------------------------------------------------------------
 
     def _add(self, request: EngineCoreRequest, sink: OutputSink, grammar) -> None:
         self.core.add_request(request, grammar)
@@ -163,32 +203,36 @@ class EngineLoop:
     def _abort(self, request_ids: list[str]) -> None:
         self._dispatch(self.core.abort_requests(request_ids))
 
-    def _stop(self) -> None:
-        self._stopped = True
-
-    def _run(self) -> None:
+    async def _run(self) -> None:
         while not self._stopped:
-            # Block only when idle; otherwise take whatever arrived and step.
-            block = not self.core.has_work()
-            try:
-                self._inbox.get(block=block)()
-                while True:
-                    self._inbox.get_nowait()()
-            except queue.Empty:
-                pass
+            # Wait only when idle; otherwise take whatever arrived and step.
+            if not self._inbox and not self.core.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+            await self._take_inbox()
             if self._stopped or not self.core.has_work():
                 continue
             try:
-                self._step()
+                self._dispatch(await self._step())
             except Exception as e:
-                if not (_worker_lost(e) and self._recover_workers()):
+                if not (_worker_lost(e) and await self._recover_workers()):
                     logger.exception("engine step failed; failing all live requests")
                     self._fail_all(e)
 
-    def _step(self) -> None:
-        self._dispatch(self.core.step())
+    async def _take_inbox(self) -> None:
+        while self._inbox:
+            call = self._inbox.popleft()
+            result = call()
+            if asyncio.iscoroutine(result):
+                await result
 
-    def _recover_workers(self) -> bool:
+    async def _step(self) -> list[EngineCoreOutput]:
+        if self.core.executor.steps_on_event_loop:
+            return await self.core.step_async()
+        # The step runs inside the call: elsewhere, so that the loop serves on.
+        return await self._loop.run_in_executor(self._blocking, self.core.step)
+
+    async def _recover_workers(self) -> bool:
         """Retries EngineCore.recover_workers, with backoff, until the workers are
         back (True) or WORKER_RECOVERY_TIMEOUT_S has passed (False). Requests wait
         meanwhile; new ones and aborts are taken once the loop steps again."""
@@ -197,7 +241,7 @@ class EngineLoop:
         delay = 0.5
         while not self._stopped:
             try:
-                self.core.recover_workers()
+                await self._loop.run_in_executor(self._blocking, self.core.recover_workers)
                 return True
             except NotImplementedError:
                 return False
@@ -206,7 +250,7 @@ class EngineLoop:
                     logger.error("the workers did not come back in %.0f s: %s",
                                  WORKER_RECOVERY_TIMEOUT_S, e)
                     return False
-                time.sleep(delay)
+                await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
         return False
 
@@ -221,7 +265,7 @@ class EngineLoop:
         self._sinks.clear()
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
-        """Hands outputs to their sinks: one call per sink, and one wake-up per
+        """Hands outputs to their sinks: one call per sink, and one callback per
         event loop, per step."""
         items = []
         for output in outputs:
@@ -232,6 +276,15 @@ class EngineLoop:
                 del self._sinks[output.request_id]
             items.append((sink, [output]))
         _call_per_loop(items, lambda sink, sink_outputs: sink.deliver(sink_outputs))
+
+
+def _set_unless_done(future: asyncio.Future, result: object, error: Exception | None) -> None:
+    if future.done():  # the caller left
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 async def outputs_until_finished(queue: asyncio.Queue) -> AsyncIterator[EngineCoreOutput]:
@@ -253,6 +306,9 @@ def _worker_lost(error: Exception) -> bool:
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    if asyncio._get_running_loop() is loop:  # the engine's own: no wake-up needed
+        loop.call_soon(fn, *args)
+        return
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that event loop is closed: nobody is listening any more

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import concurrent.futures
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -15,7 +16,7 @@ from services.common.ports import free_port
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.request_types import LoadedModel
 from services.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from services.common.tls import TlsConfig, sync_channel
+from services.common.tls import TlsConfig, aio_channel, sync_channel
 from services.engine_core.step_streams import StepStreams, StreamEnded, lost_worker_first
 
 
@@ -24,14 +25,19 @@ _SHUTDOWN_STEP_WAIT_S = 10.0
 
 
 class PendingStep:
-    """A step sent to the workers: result() waits for rank 0's output, or raises
-    the step's error."""
+    """A step sent to the workers. result() returns the output that counts (rank
+    0's without pipeline parallelism), waiting for it if need be, or raises the
+    step's error; on the event loop its steps run on, wait() is awaited first."""
 
-    def __init__(self, wait: Callable[[], ModelRunnerOutput]):
+    def __init__(self, result: Callable[[], ModelRunnerOutput],
+                 wait: Callable[[], Awaitable[None]] | None = None):
+        self.result = result
         self._wait = wait
 
-    def result(self) -> ModelRunnerOutput:
-        return self._wait()
+    async def wait(self) -> None:
+        """Until the output is there (or the step failed); never raises."""
+        if self._wait is not None:
+            await self._wait()
 
 
 class Executor(abc.ABC):
@@ -41,6 +47,9 @@ class Executor(abc.ABC):
     # Whether a step can run on the workers while the engine core schedules the
     # next one (async scheduling); not when the workers run inside the call.
     overlaps_steps = False
+    # Whether a step's output arrives on the event loop that sent it, to be
+    # awaited there (PendingStep.wait); otherwise steps run inside the call.
+    steps_on_event_loop = False
 
     @abc.abstractmethod
     def load_model(self, config: EngineConfig) -> LoadedModel: ...
@@ -126,12 +135,20 @@ class GrpcExecutor(Executor):
     stream per worker (StepStreams) that stays open while it works."""
 
     overlaps_steps = True
+    steps_on_event_loop = True
 
     def __init__(self, addresses: list[str], tls: TlsConfig = TlsConfig(),
                  rpc_timeout_s: float = 600.0):
+        self.addresses, self.tls = addresses, tls
+        # Unary calls (loading, adapters) block their caller, on a channel each.
         self.channels = [sync_channel(a, tls) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.rpc_timeout_s = rpc_timeout_s  # a call's deadline, and a step's output's
+        # Steps go on grpc.aio streams, on the event loop running at the first
+        # step (a served engine core's), or else on a private one run here.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._owns_loop = False
+        self._step_channels: list[grpc.aio.Channel] = []
         self._steps: StepStreams | None = None
         # The rank whose step output counts: the last stage's first (ranks are
         # stage-major), set by load_model.
@@ -142,9 +159,17 @@ class GrpcExecutor(Executor):
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
 
     def reconnect(self, timeout_s: float = 5.0) -> None:
-        if self._steps is not None and self._steps.error is None:
-            self._steps.cancel(StreamEnded())  # a restarted worker's stream died with it
+        steps = self._steps
+        if steps is not None and steps.error is None:
+            # A restarted worker's stream died with it.
+            self._block_on(lambda: _coroutine(steps.cancel, StreamEnded()))
         self.wait_ready(timeout_s)
+        if self._step_channels:  # the steps' channels too, or a step could fail fast
+            self._block_on(lambda: self._step_channels_ready(timeout_s))
+
+    async def _step_channels_ready(self, timeout_s: float) -> None:
+        await asyncio.wait_for(asyncio.gather(
+            *(c.channel_ready() for c in self._step_channels)), timeout_s)
 
     def _call_all(self, method: str, request):
         return self._responses(self._start_all(method, request))
@@ -180,8 +205,9 @@ class GrpcExecutor(Executor):
     def _wait_for_steps_sent(self, timeout_s: float | None = None) -> None:
         """Adapters change between steps: a step sent under async scheduling may
         still use the one about to go. Its error is its caller's."""
-        if self._steps is not None:
-            self._steps.wait_for_sent(timeout_s)
+        steps = self._steps
+        if steps is not None:
+            self._block_on(lambda: steps.wait_for_sent(timeout_s))
 
     def add_lora(self, lora_id, lora_path):
         self._wait_for_steps_sent()
@@ -208,21 +234,63 @@ class GrpcExecutor(Executor):
 
     def execute_model_async(self, scheduler_output):
         request = convert.scheduler_output_to_proto(scheduler_output)
+        if self._loop is None:
+            self._loop = asyncio._get_running_loop() or asyncio.new_event_loop()
+            self._owns_loop = not self._loop.is_running()
+        if self._on_step_loop():
+            return self._send_step(request)
+        return self._block_on(lambda: _coroutine(self._send_step, request))
+
+    def _send_step(self, request) -> PendingStep:
+        """Sends a step on the streams, opened at the first step and after a
+        failure; runs on the steps' event loop."""
+        if not self._step_channels:
+            self._step_channels = [aio_channel(a, self.tls) for a in self.addresses]
         if self._steps is None or self._steps.error is not None:
-            # At the first step, and after a failure.
-            self._steps = StepStreams(self.stubs, self.rpc_timeout_s)
+            self._steps = StepStreams([worker_pb2_grpc.WorkerStub(c)
+                                       for c in self._step_channels], self.rpc_timeout_s)
         steps, rank = self._steps, self._output_rank
         step = steps.send(request)
-        return PendingStep(
-            lambda: convert.model_runner_output_from_proto(steps.output(step)[rank]))
+
+        def result() -> ModelRunnerOutput:
+            if not self._on_step_loop():
+                self._block_on(lambda: steps.wait(step))
+            return convert.model_runner_output_from_proto(steps.output(step)[rank])
+        return PendingStep(result, lambda: steps.wait(step))
+
+    def _on_step_loop(self) -> bool:
+        return self._loop is not None and asyncio._get_running_loop() is self._loop
+
+    def _block_on(self, make_coroutine: Callable[[], Awaitable]):
+        """Runs a coroutine on the steps' event loop from a thread that is not
+        running it, and returns its result: the private loop is run here; a
+        served engine core's is handed it (from a blocking call's thread)."""
+        if self._on_step_loop():
+            raise RuntimeError("a blocking wait for steps on the event loop that runs them")
+        if self._owns_loop:
+            return self._loop.run_until_complete(make_coroutine())
+        return asyncio.run_coroutine_threadsafe(make_coroutine(), self._loop).result()
 
     def shutdown(self):
         # Not under a step still in flight (async scheduling leaves one when the
-        # engine loop stops): its RPC would be cut in gRPC's threads while this
-        # process exits, the suspect for an engine core that once exited with
-        # SIGSEGV after a cut drain.
+        # engine loop stops): its call would be cut while this process exits,
+        # the suspect for an engine core that once exited with SIGSEGV after a
+        # cut drain.
         self._wait_for_steps_sent(_SHUTDOWN_STEP_WAIT_S)
-        if self._steps is not None:
-            self._steps.close()
+        if self._loop is not None:
+            self._block_on(self._close_steps)
+            if self._owns_loop:
+                self._loop.close()
         for channel in self.channels:
             channel.close()
+
+    async def _close_steps(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
+        for channel in self._step_channels:
+            await channel.close(grace=_SHUTDOWN_STEP_WAIT_S)
+
+
+async def _coroutine(fn: Callable, *args):
+    """fn(*args) as a coroutine: sync code run where an event loop is running."""
+    return fn(*args)

@@ -68,7 +68,7 @@ class InprocEngineClient(EngineClient):
         await self.engine.remove_lora(name)
 
     async def close(self):
-        self.engine.shutdown()
+        await self.engine.shutdown()
 
 
 class GrpcEngineClient(EngineClient):

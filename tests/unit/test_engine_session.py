@@ -65,7 +65,7 @@ def _run(test) -> None:
         asyncio.run(main())
         assert engine.core.stats().num_used_kv_blocks == 0
     finally:
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
 
 
 async def _tokens(client: GrpcEngineClient, request: EngineCoreRequest) -> list[int]:

@@ -3,7 +3,10 @@ real WorkerServicer in this process, behind the services' error interceptor, its
 worker a fake): outputs in the order sent, a failed step's status to its caller,
 a new stream after it, a worker that goes away read as UNAVAILABLE (what
 recovery waits for), one that hangs as DEADLINE_EXCEEDED, and a step that is
-not a valid message as INVALID_ARGUMENT."""
+not a valid message as INVALID_ARGUMENT. Both ways of calling it: blocking (the
+offline LLM's, on a private event loop), and on a running event loop, its
+outputs awaited (the served engine core's)."""
+import asyncio
 import threading
 from contextlib import contextmanager
 
@@ -141,6 +144,51 @@ def test_a_step_the_worker_does_not_answer_in_time_fails_and_the_next_gets_a_new
         assert tokens(executor.execute_model_async(step(2))) == [2]
         assert servicer.streams == 2
         executor.shutdown()
+
+
+def test_on_a_running_event_loop_steps_are_awaited_and_blocking_calls_wait_from_a_thread(worker):
+    with served(worker) as (servicer, address, _):
+        executor = GrpcExecutor([address])
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            worker.gate.clear()
+            pending = [executor.execute_model_async(step(i)) for i in (1, 2)]
+            with pytest.raises(RuntimeError, match="taken before it was read"):
+                pending[0].result()  # on the loop, a step's output is awaited first
+            # An adapter's change, on another thread, waits for both steps sent.
+            adding = loop.run_in_executor(None, executor.add_lora, 7, "/adapters/seven")
+            loop.call_later(0.2, worker.gate.set)
+            await adding
+            assert worker.loras == [(7, [1, 2])]
+            for p in pending:
+                await p.wait()
+            later = executor.execute_model_async(step(3))
+            await later.wait()
+            await loop.run_in_executor(None, executor.shutdown)
+            return [tokens(p) for p in [*pending, later]]
+        assert asyncio.run(main()) == [[1], [2], [3]]
+        assert servicer.streams == 1
+
+
+def test_on_a_running_event_loop_a_step_not_answered_in_time_fails(worker):
+    with served(worker) as (servicer, address, _):
+        executor = GrpcExecutor([address], rpc_timeout_s=0.5)
+
+        async def main():
+            worker.gate.clear()  # the worker hangs in step 1
+            hung = executor.execute_model_async(step(1))
+            await hung.wait()
+            with pytest.raises(grpc.RpcError) as error:
+                hung.result()
+            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            worker.gate.set()
+            next_step = executor.execute_model_async(step(2))
+            await next_step.wait()
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+            return tokens(next_step)
+        assert asyncio.run(main()) == [2]
+        assert servicer.streams == 2
 
 
 def test_a_step_that_is_not_a_valid_message_is_invalid_argument(worker):
