@@ -230,7 +230,16 @@ class EngineLoop:
         if self.core.executor.steps_on_event_loop:
             return await self.core.step_async()
         # The step runs inside the call: elsewhere, so that the loop serves on.
-        return await self._loop.run_in_executor(self._blocking, self.core.step)
+        step = self._loop.run_in_executor(self._blocking, self.core.step)
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            # The event loop is ending (asyncio.run cancels its tasks): the step
+            # runs on, so it is waited for; a task a later loop starts would
+            # otherwise touch the core beside it, and the workers would not hear
+            # of the requests it reports finished.
+            await step
+            raise
 
     async def _recover_workers(self) -> bool:
         """Retries EngineCore.recover_workers, with backoff, until the workers are

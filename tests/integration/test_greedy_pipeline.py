@@ -31,9 +31,10 @@ def test_batched_greedy_is_token_identical_to_transformers(model_dir, tokenizer,
     try:
         results = asyncio.run(_generate_all(client, requests))
         # All 8 ran together (one after another would take ~8x the steps). + 1: the step
-        # that tells workers they finished; + 1: the loop thread can wake on the first
-        # request and step before the other seven are in its inbox (seen on a loaded
-        # 2-core machine), so theirs finish a step later.
+        # that tells workers they finished (sent as the last outputs go out, and
+        # waited for when asyncio.run ends); + 1: the engine can step on the first
+        # request before the other seven are in its inbox (seen on a loaded 2-core
+        # machine), so theirs finish a step later.
         assert core.num_steps <= MAX_TOKENS + 2
         stopped_by = set()
         for ids, (tokens, reasons) in zip(prompt_ids, results):
