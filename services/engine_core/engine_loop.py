@@ -11,6 +11,7 @@ import concurrent.futures
 import collections
 import contextvars
 import copy
+import functools
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ import grpc
 from typing import AsyncIterator, Callable, Protocol
 
 from services.common.errors import FailedPrecondition, LLMServeError, Unavailable
+from services.common.futures import run_into_future
 from services.common.lora import LoRARequest
 from services.common.request_types import EngineCoreOutput, EngineCoreRequest, EngineStats
 from services.engine_core.engine_core import EngineCore
@@ -163,18 +165,10 @@ class EngineLoop:
     async def _call(self, fn: Callable[[], object], blocking: bool = False) -> object:
         """Runs fn between steps and returns its result; a blocking fn on the
         blocking thread, the task awaiting it."""
-        future = asyncio.get_running_loop().create_future()
-
-        def call() -> None:
-            if future.done():  # the caller left: fn does not run
-                return
-            try:
-                result, error = fn(), None
-            except Exception as e:
-                result, error = None, e
-            _call_soon(future.get_loop(), _set_unless_done, future, result, error)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call = functools.partial(run_into_future, future, fn)
         self._put(self._run_blocking(call) if blocking else call)
-        return await future
+        return await asyncio.wrap_future(future)
 
     def _put(self, call) -> None:
         """Queues a call for the task (a coroutine function if it blocks),
@@ -285,15 +279,6 @@ class EngineLoop:
                 del self._sinks[output.request_id]
             items.append((sink, [output]))
         _call_per_loop(items, lambda sink, sink_outputs: sink.deliver(sink_outputs))
-
-
-def _set_unless_done(future: asyncio.Future, result: object, error: Exception | None) -> None:
-    if future.done():  # the caller left
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 async def outputs_until_finished(queue: asyncio.Queue) -> AsyncIterator[EngineCoreOutput]:
