@@ -4,7 +4,8 @@
 // weight's dtype (fp32, bf16 or fp16; fp32 sums always). A tile of up to 8 rows
 // of x (6 with AVX2) walks one panel along K, its 8 x 48 sums in 24 AVX-512
 // registers (6 x 16 in 12 AVX2 ones); each step loads the panel's row of vectors
-// and broadcasts one value of each row (outer products, no horizontal sums). A
+// and broadcasts one value of each row (outer products, no horizontal sums); the
+// fp32 tile with AVX-512 is assembly (gemm_tile_avx512.h says why). A
 // thread keeps a panel in L2 while every row tile of a block of up to 256 rows
 // passes over it, and meanwhile asks for the next, so the weights stream from
 // memory once a block, in one sequential stream per thread, behind the arithmetic.
@@ -38,6 +39,9 @@
 
 #include "vector_math.h"
 #include "work_stealing.h"
+#if defined(__AVX512F__)
+#include "gemm_tile_avx512.h"
+#endif
 
 namespace {
 
@@ -100,10 +104,15 @@ const float* fp32_panel(const T* panel, int64_t K, int slot) {
   }
 }
 
-// c[r][0:kPanel] = a[r] . panel for MR rows; c's rows are ldc apart.
+// c[r][0:kPanel] = a[r] . panel for MR rows; c's rows are ldc apart. With
+// AVX-512 the same loop in assembly (gemm_tile_avx512.h), the same sums.
 template <int MR>
 void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
           Prefetch pf) {
+#if defined(__AVX512F__)
+  static_assert(kPanel == 48);
+  llmserve::gemm_asm::tile<MR>(a, lda, panel, K, c, ldc, pf.from, pf.rate);
+#else
   vf16 acc[MR][kVectors] = {};
   for (int64_t k = 0; k < K; ++k) {
     if (pf.from != nullptr) __builtin_prefetch(pf.from + ((k * pf.rate) >> 16) * 64, 0, 2);
@@ -119,6 +128,7 @@ void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, 
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kVectors; ++v) store16(c + r * ldc + 16 * v, acc[r][v]);
+#endif
 }
 
 #if defined(__AVX512BF16__)
