@@ -35,6 +35,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("gemv_prefetches(ScalarType weight_dtype) -> bool");
+  m.def("gemv_walks_rows_at_once(ScalarType weight_dtype) -> bool");
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("gemm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("gemm_silu_and_mul(Tensor x, Tensor packed, int n) -> Tensor");
@@ -80,6 +81,7 @@ TORCH_LIBRARY_IMPL(llmserve, CompositeExplicitAutograd, m) {
   m.impl("gemm_bf16_dot_available", &gemm_bf16_dot_available);
   m.impl("gemm_panel_columns", &gemm_panel_columns);
   m.impl("gemv_prefetches", &gemv_prefetches);
+  m.impl("gemv_walks_rows_at_once", &gemv_walks_rows_at_once);
   m.impl("built_for_avx512", &built_for_avx512);
   m.impl("stolen_items", &stolen_items);
   m.impl("shared_tail_rows", &shared_tail_rows);

@@ -26,6 +26,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor gemv(at::Tensor x, at::Tensor weight);
 bool gemv_prefetches(at::ScalarType weight_dtype);
+bool gemv_walks_rows_at_once(at::ScalarType weight_dtype);
 at::Tensor pack_gemm_weight(at::Tensor weight);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n);
 at::Tensor gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t n);

@@ -65,6 +65,26 @@ def test_gemv_asks_ahead_for_fp32_weights_on_intel_only_and_for_16_bit_ones_ever
     assert prefetches(torch.float32) == cpu_is_intel()
 
 
+def test_gemv_walks_eight_weight_rows_at_once_for_one_fp32_row_on_intel_with_avx512():
+    """The choice bench/NOTES.md measured on an Ice Lake Xeon; unmeasured elsewhere."""
+    walks = torch.ops.llmserve.gemv_walks_rows_at_once
+    assert walks(torch.float32) == (kernels_built_for_avx512() and cpu_is_intel())
+    assert not walks(torch.bfloat16) and not walks(torch.float16)
+
+
+@pytest.mark.parametrize("k", [80, 576, 1552])  # K's tail of 16 after steps of 32; none
+@pytest.mark.parametrize("n", [5, 8, 291, 960])  # under the 8 rows a walk takes; their tail
+def test_one_row_gemv_gives_the_bits_of_the_row_at_a_time_walk(k, n):
+    """One row of x (the eight-weight-row walk where the CPU takes it) sums each
+    output in the order the walk of one weight row at a time does, which the
+    two-row call below runs: the same bits, not merely close ones."""
+    gen = torch.Generator().manual_seed(n * k)
+    x = torch.randn(2, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    one = torch.ops.llmserve.gemv(x[:1].contiguous(), weight)
+    assert torch.equal(one, torch.ops.llmserve.gemv(x, weight)[:1])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 9, 13, 17, 64, 65, 130, 300, 777])
 @pytest.mark.parametrize("n,k", [(48, 16), (50, 33), (576, 576), (1001, 80), (96, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
