@@ -4,6 +4,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import threading
 from typing import Awaitable, Callable
 
 import grpc
@@ -235,7 +236,7 @@ class GrpcExecutor(Executor):
     def execute_model_async(self, scheduler_output):
         request = convert.scheduler_output_to_proto(scheduler_output)
         if self._loop is None:
-            self._loop = asyncio._get_running_loop() or asyncio.new_event_loop()
+            self._loop = asyncio._get_running_loop() or _private_loop()
             self._owns_loop = not self._loop.is_running()
         if self._on_step_loop():
             return self._send_step(request)
@@ -278,9 +279,7 @@ class GrpcExecutor(Executor):
         # cut drain.
         self._wait_for_steps_sent(_SHUTDOWN_STEP_WAIT_S)
         if self._loop is not None:
-            self._block_on(self._close_steps)
-            if self._owns_loop:
-                self._loop.close()
+            self._block_on(self._close_steps)  # a private loop stays open: _private_loop
         for channel in self.channels:
             channel.close()
 
@@ -289,6 +288,22 @@ class GrpcExecutor(Executor):
             self._steps.close()
         for channel in self._step_channels:
             await channel.close(grace=_SHUTDOWN_STEP_WAIT_S)
+
+
+_private_loops = threading.local()
+
+
+def _private_loop() -> asyncio.AbstractEventLoop:
+    """The event loop this thread runs its step streams on when it runs none of
+    its own: one a thread, reused by every executor there and never closed.
+    grpc.aio can deliver a closed channel's last events after shutdown; on a
+    closed loop they raise ("Event loop is closed") inside the next executor's
+    loop, and asyncio logs the error with the frames of the step then running
+    (a handler that keeps records, as pytest's does, keeps that engine core)."""
+    loop = getattr(_private_loops, "loop", None)
+    if loop is None:
+        loop = _private_loops.loop = asyncio.new_event_loop()
+    return loop
 
 
 async def _coroutine(fn: Callable, *args):

@@ -91,6 +91,34 @@ def test_steps_in_flight_come_back_in_order_on_one_stream(worker):
         executor.shutdown()
 
 
+def test_executors_one_after_another_in_a_thread_step_on_one_loop_left_open(worker, caplog):
+    """The blocking caller's private loop outlives an executor's shutdown and serves
+    the next executor in the thread, so grpc.aio's late events for a closed
+    channel land on an open loop, not raise "Event loop is closed" inside the next
+    one's step (logged at ERROR with that step's frames). Another thread has its own."""
+    with served(worker) as (_, address, _):
+        loops = []
+        for step_id in (1, 2):
+            executor = GrpcExecutor([address])
+            assert tokens(executor.execute_model_async(step(step_id))) == [step_id]
+            executor.shutdown()
+            loops.append(executor._loop)
+        assert loops[0] is loops[1] and not loops[0].is_closed()
+        other = []
+        thread = threading.Thread(target=lambda: other.append(run_one_step(address)))
+        thread.start()
+        thread.join(timeout=30)
+        assert other and other[0] is not loops[0]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def run_one_step(address: str):
+    executor = GrpcExecutor([address])
+    assert tokens(executor.execute_model_async(step(9))) == [9]
+    executor.shutdown()
+    return executor._loop
+
+
 def test_a_failed_step_carries_its_status_and_the_next_step_opens_a_new_stream(worker):
     worker.fail_at = 2
     with served(worker) as (servicer, address, _):
