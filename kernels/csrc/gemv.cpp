@@ -41,6 +41,15 @@ constexpr int sums_per_row() {
 // the vector registers (8 x 2 + 2 of AVX-512's 32; 6 x 2 + 2 of AVX2's 16).
 constexpr int kRowsPerPass = llmserve::kVectorRegisters == 32 ? 8 : 6;
 
+// One output's independent sums added in one order, whichever walk made them, so
+// both walks give the same bits.
+template <int S>
+inline float row_total(const vf16 (&acc)[S]) {
+  vf16 sum = acc[0];
+  for (int s = 1; s < S; ++s) sum += acc[s];
+  return llmserve::sum16(sum);
+}
+
 // out[m][n] for every row m of x and one weight row n, walking the weight row
 // once, front to back (one sequential stream for the prefetchers), with
 // independent sums along K so the multiply-adds pipeline. Two vf16, not four,
@@ -67,11 +76,7 @@ inline void dot_row(const float* x, int64_t K, const w_t* wrow, float* out, int6
     const vf16 w0 = load16(wrow + k);
     for (int m = 0; m < M; ++m) acc[m][0] += load16(x + m * K + k) * w0;
   }
-  for (int m = 0; m < M; ++m) {
-    vf16 sum = acc[m][0];
-    for (int s = 1; s < S; ++s) sum += acc[m][s];
-    out[m * N] = llmserve::sum16(sum);
-  }
+  for (int m = 0; m < M; ++m) out[m * N] = row_total(acc[m]);
 }
 
 // One row of x against kWeightRowsAtOnce weight rows (out[0..R)), their loads
@@ -98,11 +103,7 @@ inline void dot_rows_of_one(const float* x, int64_t K, const w_t* w, float* out)
   }
   for (; k < K; k += 16)
     for (int r = 0; r < R; ++r) acc[r][0] += load16(x + k) * load16(w + r * K + k);
-  for (int r = 0; r < R; ++r) {
-    vf16 sum = acc[r][0];
-    for (int s = 1; s < S; ++s) sum += acc[r][s];
-    out[r] = llmserve::sum16(sum);
-  }
+  for (int r = 0; r < R; ++r) out[r] = row_total(acc[r]);
 }
 
 template <typename w_t, int M>

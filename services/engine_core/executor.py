@@ -146,7 +146,8 @@ class GrpcExecutor(Executor):
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.rpc_timeout_s = rpc_timeout_s  # a call's deadline, and a step's output's
         # Steps go on grpc.aio streams, on the event loop running at the first
-        # step (a served engine core's), or else on a private one run here.
+        # step (a served engine core's), or else on this thread's private one
+        # (_private_loop), run here.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owns_loop = False
         self._step_channels: list[grpc.aio.Channel] = []
